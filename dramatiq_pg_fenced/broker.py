@@ -1,0 +1,483 @@
+"""PostgresBroker: Dramatiq messages as rows in PostgreSQL, fenced per attempt."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from typing import Any
+
+import psycopg
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
+from dramatiq.logging import get_logger
+from dramatiq.message import Message
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
+
+from . import migrations
+from .consumer import PostgresConsumer, PostgresMessageProxy
+from .doorbell import Doorbell
+from .errors import DeadLetterError, PayloadTooLarge
+from .leases import Leases
+from .outcomes import Outcome, OutcomeWriter, describe
+from .sql import check_queue, check_schema, statements
+
+#: Defaults, also listed in the README's configuration table.
+DEFAULT_SCHEMA = "dramatiq"
+DEFAULT_LEASE_SECONDS = 30.0
+DEFAULT_POLL_INTERVAL = 1.0
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
+
+
+class CancelOutcome(str, Enum):
+    """What :meth:`PostgresBroker.cancel` did."""
+
+    QUEUED = "cancelled_queued"  #: it was waiting (maybe for a retry backoff); it will never run
+    RUNNING = "cancelled_running"  #: it was running; that attempt's outcome is fenced out
+    ALREADY_CANCELLED = "already_cancelled"
+    DEAD = "already_dead"  #: it had been dead-lettered; nothing changed
+    NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
+
+
+class _ProcessState:
+    """Everything that must not cross a fork: pool, threads, listening connection."""
+
+    def __init__(self, broker: PostgresBroker) -> None:
+        self.pid = os.getpid()
+        self.owns_pool = broker._given_pool is None
+        if broker._given_pool is not None:
+            self.pool = broker._given_pool
+        else:
+            self.pool = ConnectionPool(
+                broker.url,
+                min_size=1,
+                max_size=broker.pool_max_size,
+                kwargs={"autocommit": True, "connect_timeout": broker.connect_timeout},
+                timeout=broker.connect_timeout * 2,
+                open=False,
+                name=f"dramatiq-pg-{os.getpid()}",
+            )
+            logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+            self.pool.open(wait=False)
+        self.schema_checked = False
+        self.doorbell = (
+            Doorbell(broker.url, broker.channel, connect_timeout=broker.connect_timeout) if broker.listen else None
+        )
+        self.leases = Leases(broker)
+        self.writer = OutcomeWriter(broker)
+
+    def close(self) -> None:
+        self.writer.stop()
+        self.leases.stop()
+        if self.doorbell is not None:
+            self.doorbell.stop()
+        if self.owns_pool:
+            self.pool.close()
+
+
+class PostgresBroker(Broker):
+    """A Dramatiq broker that keeps messages in PostgreSQL.
+
+    Parameters:
+      url: libpq connection string or URL.  ``None`` uses libpq's defaults
+        (``PGHOST`` and friends).
+      pool: a ``psycopg_pool.ConnectionPool`` you own (autocommit
+        connections); used instead of ``url`` for queries.
+      schema: where the tables live (``broker.migrate()`` creates it).
+      lease_seconds: how long a claimed message is held without extension.
+      poll_interval: seconds between claims when no doorbell rings.
+      listen: ``False`` turns LISTEN/NOTIFY off (PgBouncer transaction pooling).
+      max_payload_bytes: larger encoded messages are refused at enqueue.
+      dead_message_ttl: seconds dead letters and cancellations are kept.
+      synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
+        (faster; a database crash may lose the last few enqueued messages).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        pool: ConnectionPool | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        middleware: list[Any] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        rescue_interval: float = 1.0,
+        listen: bool = True,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL,
+        pool_max_size: int = 8,
+        connect_timeout: int = 5,
+        synchronous_commit: bool = True,
+    ) -> None:
+        self.schema = check_schema(schema)
+        if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
+            raise ValueError("lease_seconds, poll_interval and rescue_interval must be positive")
+        super().__init__(middleware=middleware)
+        self.logger = get_logger(__name__, type(self))
+        self.url = url or ""
+        self._given_pool = pool
+        self.lease_seconds = float(lease_seconds)
+        self.poll_interval = float(poll_interval)
+        self.rescue_interval = float(rescue_interval)
+        self.listen = listen
+        self.max_payload_bytes = max_payload_bytes
+        self.dead_message_ttl = dead_message_ttl
+        self.pool_max_size = pool_max_size
+        self.connect_timeout = connect_timeout
+        self.synchronous_commit = synchronous_commit
+        self.channel = f"{self.schema}_wake"
+        self.consumer_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.queues: set[str] = set()
+        self._sql = statements(self.schema)
+        self._state_lock = threading.Lock()
+        self._proc: _ProcessState | None = None
+        self._counts_lock = threading.Lock()
+        self._counts = {"stale_writes": 0, "cancelled_writes": 0}
+        self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
+
+    # -- process state ------------------------------------------------------
+    def _state(self) -> _ProcessState:
+        proc = self._proc
+        if proc is None or proc.pid != os.getpid():
+            with self._state_lock:
+                proc = self._proc
+                if proc is None or proc.pid != os.getpid():
+                    # After fork the parent's pool and threads are not ours: start afresh.
+                    self.consumer_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+                    proc = self._proc = _ProcessState(self)
+        return proc
+
+    @property
+    def _leases(self) -> Leases:
+        return self._state().leases
+
+    @property
+    def _writer(self) -> OutcomeWriter:
+        return self._state().writer
+
+    def _doorbell_event(self, queue_name: str) -> threading.Event | None:
+        doorbell = self._state().doorbell
+        return doorbell.event(queue_name) if doorbell is not None else None
+
+    def _describe(self, error: BaseException) -> str:
+        """A connection error, naming the server but never the password."""
+        try:
+            info = conninfo_to_dict(self.url)
+        except psycopg.Error:
+            info = {}
+        where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        password = info.get("password")
+        if password:
+            text = text.replace(str(password), "***")
+        return f"cannot reach PostgreSQL at {where}: {text}"
+
+    @contextmanager
+    def _pool_connection(self, *, raw: bool = False) -> Iterator[psycopg.Connection]:
+        """A pooled autocommit connection.
+
+        With ``raw=True`` psycopg's errors pass through (the background threads
+        handle them); otherwise connection failures become Dramatiq's
+        ``ConnectionClosed`` and a missing schema a :class:`SchemaError`.
+        """
+        proc = self._state()
+        try:
+            with proc.pool.connection() as conn:
+                if not proc.schema_checked:
+                    migrations.check(conn, self.schema, url_hint=self._safe_url())
+                    proc.schema_checked = True
+                yield conn
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if raw:
+                raise
+            raise ConnectionClosed(self._describe(e)) from None
+
+    def _safe_url(self) -> str:
+        if not self.url:
+            return "URL"
+        try:
+            info = conninfo_to_dict(self.url)
+        except psycopg.Error:
+            return "URL"
+        if info.get("password"):
+            info["password"] = "***"
+        host = info.get("host") or "localhost"
+        return f"postgresql://{info.get('user') or ''}@{host}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+
+    # -- Dramatiq's Broker API ----------------------------------------------------
+    def migrate(self) -> list[int]:
+        """Create or upgrade the schema; returns the versions applied."""
+        with self._state().pool.connection() as conn:
+            applied = migrations.migrate(conn, self.schema)
+        self._state().schema_checked = True
+        return applied
+
+    def close(self) -> None:
+        """Write pending outcomes, stop the background threads, close the pool."""
+        with self._state_lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.pid == os.getpid():
+            proc.close()
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> PostgresConsumer:
+        if queue_name not in self.queues:
+            raise QueueNotFound(queue_name)
+        return PostgresConsumer(self, queue_name, prefetch, timeout)
+
+    def declare_queue(self, queue_name: str) -> None:
+        """Remember the queue; no I/O (called at import time by ``@actor``)."""
+        if queue_name not in self.queues:
+            check_queue(queue_name)
+            self.emit_before("declare_queue", queue_name)
+            self.queues.add(queue_name)
+            self.emit_after("declare_queue", queue_name)
+
+    def get_declared_queues(self) -> set[str]:
+        return self.queues.copy()
+
+    def enqueue(self, message: Message, *, delay: int | None = None) -> Message:
+        """Store a message; with ``delay`` (ms) it becomes due at ``now() + delay`` (database clock).
+
+        A message this broker delivered (Dramatiq's Retries middleware sends
+        the same proxy back) is not inserted again: its row goes back to the
+        queue, fenced on the delivering attempt.
+        """
+        if isinstance(message, PostgresMessageProxy):
+            return cast(Message, self._retry(message, delay))
+        self.emit_before("enqueue", message, delay)
+        self._insert([(message, delay)])
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
+        """Store many messages in one round trip and one commit."""
+        messages = list(messages)
+        for message in messages:
+            self.emit_before("enqueue", message, delay)
+        self._insert([(m, delay) for m in messages])
+        for message in messages:
+            self.emit_after("enqueue", message, delay)
+        return messages
+
+    def _encode(self, message: Message) -> bytes:
+        if "attempt" in message.options:
+            message = message.copy()
+            message.options.pop("attempt", None)
+        data = message.encode()
+        if len(data) > self.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"message {message.message_id} for actor {message.actor_name!r} encodes to {len(data)} bytes, "
+                f"over max_payload_bytes={self.max_payload_bytes}; pass large data by reference"
+            )
+        return data
+
+    def _insert(self, items: list[tuple[Message, int | None]]) -> None:
+        if not items:
+            return
+        cols: list[list[Any]] = [[], [], [], [], [], []]
+        wake: set[str] = set()
+        for message, delay in items:
+            check_queue(message.queue_name)
+            actor = self.actors.get(message.actor_name)
+            for col, value in zip(
+                cols,
+                (
+                    message.message_id,
+                    message.queue_name,
+                    message.actor_name,
+                    actor.priority if actor is not None else 0,
+                    max(int(delay or 0), 0),
+                    self._encode(message),
+                ),
+                strict=True,
+            ):
+                col.append(value)
+            if not delay:
+                wake.add(message.queue_name)
+        for tries in (1, 2):  # the insert is idempotent by message_id: one retry on a dropped connection is safe
+            try:
+                with self._pool_connection(raw=True) as conn, conn.transaction():
+                    if not self.synchronous_commit:
+                        conn.execute("SET LOCAL synchronous_commit = off")
+                    conn.execute(self._sql.enqueue, cols)
+                    if wake and self.listen:
+                        conn.execute(self._sql.notify, [self.channel, sorted(wake)])
+                return
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if tries == 2:
+                    raise ConnectionClosed(self._describe(e)) from None
+
+    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> Message:
+        self.emit_before("enqueue", message, delay)
+        if message.settled:
+            self.logger.warning(
+                "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
+            )
+        else:
+            message.settled = True
+            exc = message._exception
+            self._writer.submit(
+                Outcome(
+                    "retry",
+                    message.message_id,
+                    message.attempt,
+                    payload=self._encode(message._message),
+                    delay_ms=max(int(delay or 0), 0),
+                    error=message.options.get("traceback") or (repr(exc) if exc is not None else None),
+                    queue_name=message.queue_name,
+                )
+            )
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def _requeue(self, proxies: list[PostgresMessageProxy]) -> None:
+        """Release unstarted deliveries now, fenced; the attempt number stays."""
+        ids = [p.message_id for p in proxies]
+        attempts = [p.attempt for p in proxies]
+        with self._pool_connection() as conn, conn.transaction():
+            rows = conn.execute(self._sql.requeue, [ids, attempts]).fetchall()
+            released = {str(r[0]) for r in rows}
+            stale = [("requeue", p.message_id, p.attempt) for p in proxies if p.message_id not in released]
+            if stale:
+                self._report_stale(conn, stale)
+            if released and self.listen:
+                conn.execute(self._sql.notify, [self.channel, sorted({p.queue_name for p in proxies})])
+        for p in proxies:
+            p.settled = True
+            self._leases.release(p.message_id, p.attempt)
+        self.logger.info("Released %d unstarted message(s).", len(released))
+
+    def _report_stale(self, conn: psycopg.Connection, stale: list[tuple[str, str, int]]) -> None:
+        """Log and count fenced-out writes.  Called inside the writing transaction."""
+        rows = conn.execute(self._sql.current, [[mid for _, mid, _ in stale]]).fetchall()
+        current = {str(r[0]): (r[1], r[2]) for r in rows}
+        n_stale = n_cancelled = 0
+        for kind, message_id, attempt in stale:
+            now = current.get(message_id)
+            if now is not None and now[0] == "cancelled":
+                n_cancelled += 1
+                self.logger.info(
+                    "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind, attempt
+                )
+                continue
+            n_stale += 1
+            self.logger.warning(describe(kind, message_id, attempt, now))
+        with self._counts_lock:
+            self._counts["stale_writes"] += n_stale
+            self._counts["cancelled_writes"] += n_cancelled
+        if n_stale:
+            conn.execute(self._sql.count_stale, [n_stale])
+
+    def _remember_dead(self, message_id: str, exception: BaseException | None) -> None:
+        with self._counts_lock:
+            self._dead[message_id] = exception
+            while len(self._dead) > 1000:
+                self._dead.popitem(last=False)
+
+    def flush(self, queue_name: str) -> None:
+        """Drop every message of the queue, dead letters included."""
+        self.flush_queues([queue_name])
+
+    def flush_all(self) -> None:
+        self.flush_queues(sorted(self.queues))
+
+    def flush_queues(self, queue_names: list[str]) -> None:
+        with self._pool_connection() as conn:
+            conn.execute(self._sql.flush, [queue_names])
+
+    def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool = False, interval: int = 20) -> None:
+        """Wait until the queue has nothing queued, delayed or running.
+
+        Raises:
+          QueueJoinTimeout: after ``timeout`` milliseconds.
+          The actor's exception (or :class:`DeadLetterError` when it failed in
+          another process) with ``fail_fast=True`` once a message of the queue
+          was dead-lettered since the last flush.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while True:
+            if self._proc is not None:
+                self._writer.flush(timeout=1.0)
+            with self._pool_connection() as conn:
+                if fail_fast:
+                    dead = conn.execute(self._sql.dead_letters, [queue_name]).fetchone()
+                    if dead is not None:
+                        exc = self._dead.get(str(dead[0]))
+                        if exc is not None:
+                            raise exc
+                        raise DeadLetterError(str(dead[0]), dead[1])
+                row = conn.execute(self._sql.pending, [queue_name]).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueJoinTimeout(queue_name)
+            time.sleep(interval / 1000)
+
+    # -- operations -------------------------------------------------------------
+    def cancel(self, message_id: str) -> CancelOutcome:
+        """Cancel a message so it never runs (again).
+
+        Queued messages are cancelled whatever their attempt (a retry waiting
+        for its backoff included).  A running message is marked cancelled: its
+        attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
+        an attempt: cancellation is an administrative action on the message.
+        """
+        with self._pool_connection() as conn:
+            row = conn.execute(self._sql.cancel, [message_id]).fetchone()
+            if row is not None:
+                return CancelOutcome.QUEUED if row[0] == "queued" else CancelOutcome.RUNNING
+            now = conn.execute(self._sql.state_of, [message_id]).fetchone()
+        if now is None:
+            return CancelOutcome.NOT_FOUND
+        return CancelOutcome.ALREADY_CANCELLED if now[0] == "cancelled" else CancelOutcome.DEAD
+
+    def is_cancelled(self, message_id: str) -> bool:
+        """For actors: was my message cancelled while I run?"""
+        with self._pool_connection() as conn:
+            row = conn.execute(self._sql.state_of, [message_id]).fetchone()
+        return row is not None and row[0] == "cancelled"
+
+    def inspect(self, message_id: str) -> dict[str, Any] | None:
+        """What operators need to understand a message; ``None`` if unknown."""
+        with self._pool_connection() as conn:
+            row = conn.execute(self._sql.inspect, [message_id]).fetchone()
+        if row is None:
+            return None
+        keys = (
+            "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
+            "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error",
+        )  # fmt: skip
+        info = dict(zip(keys, row[:-1], strict=True))
+        info["message_id"] = str(info["message_id"])
+        try:
+            decoded = Message.decode(bytes(row[-1]))
+            info["retries"] = decoded.options.get("retries", 0)
+            info["args"], info["kwargs"] = decoded.args, decoded.kwargs
+        except Exception as e:  # an undecodable row is still worth inspecting
+            info["retries"] = None
+            info["decode_error"] = str(e)
+        return info
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process, totals from the database, and queue sizes."""
+        with self._counts_lock:
+            local = dict(self._counts)
+        with self._pool_connection() as conn:
+            totals = dict(conn.execute(self._sql.counters).fetchall())
+            queues: dict[str, dict[str, int]] = {}
+            for queue_name, state, count in conn.execute(self._sql.queue_stats).fetchall():
+                queues.setdefault(queue_name, {})[state] = count
+        held = self._leases.held() if self._proc is not None else {}
+        return {"process": {**local, "held": len(held)}, "totals": totals, "queues": queues}
+
+
+__all__ = ["PostgresBroker", "CancelOutcome", "MessageProxy"]

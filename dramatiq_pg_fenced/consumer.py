@@ -1,0 +1,146 @@
+"""Consumer: claims due rows in batches and hands them to Dramatiq's worker.
+
+A claim is one statement (``FOR UPDATE SKIP LOCKED`` in a CTE) that takes up
+to ``prefetch - outstanding`` rows, bumps their attempt number and leases
+them to this process.  The attempt goes into ``message.options["attempt"]``
+and every later write for the delivery is fenced on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import psycopg
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.errors import ConnectionClosed, DecodeError
+from dramatiq.message import Message
+
+from .outcomes import Outcome
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+
+class PostgresMessageProxy(MessageProxy):
+    """A delivered message: knows its attempt and whether it was settled.
+
+    ``settled`` is set once a fenced transition (a retry) was handed to the
+    writer, so the ack Dramatiq sends after a retry is a quiet no-op.
+    """
+
+    def __init__(self, message: Message, attempt: int) -> None:
+        super().__init__(message)
+        self.attempt = attempt
+        self.settled = False
+
+
+class PostgresConsumer(Consumer):
+    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        self.broker = broker
+        self.logger = broker.logger
+        self.queue_name = queue_name
+        self.prefetch = max(prefetch, 1)
+        self.timeout = timeout / 1000
+        self.buffer: deque[PostgresMessageProxy] = deque()
+        self.doorbell = broker._doorbell_event(queue_name)
+
+    def __next__(self) -> MessageProxy | None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.buffer:
+                return self.buffer.popleft()
+            if self.doorbell is not None:
+                self.doorbell.clear()
+            if self.broker._leases.outstanding(self.queue_name) < self.prefetch:
+                self._claim()
+                if self.buffer:
+                    continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            wait = min(remaining, self.broker.poll_interval)
+            if self.doorbell is not None:
+                self.doorbell.wait(wait)
+            else:
+                time.sleep(wait)
+
+    def _claim(self) -> None:
+        broker = self.broker
+        limit = self.prefetch - broker._leases.outstanding(self.queue_name)
+        if limit <= 0:
+            return
+        try:
+            with broker._pool_connection(raw=True) as conn:
+                rows = conn.execute(
+                    broker._sql.claim,
+                    {
+                        "queue": self.queue_name,
+                        "limit": limit,
+                        "lease": broker.lease_seconds,
+                        "consumer": broker.consumer_id,
+                    },
+                ).fetchall()
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            raise ConnectionClosed(broker._describe(e)) from None
+        rows.sort(key=lambda r: (r[3], r[4], r[5]))
+        for message_id, attempt, payload, _, _, _ in rows:
+            message_id = str(message_id)
+            broker._leases.hold(self.queue_name, message_id, attempt)
+            try:
+                message = Message.decode(bytes(payload))
+            except DecodeError as e:
+                self.logger.error("Message %s has an undecodable payload; dead-lettering it: %s", message_id, e)
+                broker._writer.submit(
+                    Outcome("nack", message_id, attempt, error=f"undecodable payload: {e}", queue_name=self.queue_name)
+                )
+                continue
+            message.options["attempt"] = attempt
+            self.buffer.append(PostgresMessageProxy(message, attempt))
+
+    def ack(self, message: MessageProxy) -> None:
+        self._settle(message, "ack")
+
+    def nack(self, message: MessageProxy) -> None:
+        self._settle(message, "nack")
+
+    def _settle(self, message: MessageProxy, kind: str) -> None:
+        if not isinstance(message, PostgresMessageProxy):
+            raise TypeError(f"{message!r} was not delivered by a PostgresBroker")
+        if message.settled:
+            return  # a retry already decided this attempt's outcome
+        message.settled = True
+        error = None
+        if kind == "nack":
+            exc = message._exception
+            error = message.options.get("traceback") or (repr(exc) if exc is not None else "rejected")
+        self.broker._writer.submit(
+            Outcome(
+                kind,
+                message.message_id,
+                message.attempt,
+                error=error,
+                queue_name=self.queue_name,
+                exception=message._exception if kind == "nack" else None,
+            )
+        )
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """Release unstarted messages at once (fenced; the attempt stays)."""
+        proxies = [m for m in messages if isinstance(m, PostgresMessageProxy) and not m.settled]
+        if self.buffer:
+            proxies.extend(self.buffer)
+            self.buffer.clear()
+        if proxies:
+            self.broker._requeue(proxies)
+
+    def close(self) -> None:
+        if self.buffer:
+            try:
+                self.requeue([])
+            except ConnectionClosed:
+                self.logger.warning(
+                    "Could not release %d prefetched message(s); their leases will lapse.", len(self.buffer)
+                )

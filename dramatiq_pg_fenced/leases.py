@@ -1,0 +1,130 @@
+"""Leases: what this process holds, extended in one statement, off the hot path.
+
+Every claimed message (prefetched, running, or waiting for its outcome to be
+written) is registered here with its attempt.  A keeper thread extends all of
+them in one fenced statement every ``lease_seconds / 3``; rows that do not
+come back are lost to this process (redelivered elsewhere or cancelled).  The
+same thread returns expired leases of any process to the queue, so a crashed
+worker's messages are claimable again within one rescue interval.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import psycopg
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+
+class Leases:
+    def __init__(self, broker: PostgresBroker) -> None:
+        self.broker = broker
+        self.logger = broker.logger
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[str, int]] = {}  # message_id -> (queue, attempt)
+        self._lost: set[str] = set()
+        self._per_queue: Counter[str] = Counter()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_purge = 0.0
+
+    # -- registry (called from consumer and worker threads) ---------------
+    def hold(self, queue_name: str, message_id: str, attempt: int) -> None:
+        with self._lock:
+            if message_id not in self._held:
+                self._per_queue[queue_name] += 1
+            self._held[message_id] = (queue_name, attempt)
+        self.start()
+
+    def release(self, message_id: str, attempt: int) -> None:
+        with self._lock:
+            held = self._held.get(message_id)
+            if held is not None and held[1] == attempt:
+                del self._held[message_id]
+                self._per_queue[held[0]] -= 1
+                self._lost.discard(message_id)
+
+    def outstanding(self, queue_name: str) -> int:
+        with self._lock:
+            return self._per_queue[queue_name]
+
+    def is_lost(self, message_id: str) -> bool:
+        with self._lock:
+            return message_id in self._lost
+
+    def held(self) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            return dict(self._held)
+
+    # -- keeper thread --------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="dramatiq-pg-leases", daemon=True)
+                    self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        broker = self.broker
+        extend_every = max(broker.lease_seconds / 3, 0.2)
+        next_extend = time.monotonic() + extend_every
+        while not self._stopped.wait(min(broker.rescue_interval, extend_every)):
+            try:
+                if time.monotonic() >= next_extend:
+                    self.extend()
+                    next_extend = time.monotonic() + extend_every
+                self.rescue()
+                if time.monotonic() - self._last_purge > 60:
+                    self._last_purge = time.monotonic()
+                    with broker._pool_connection(raw=True) as conn:
+                        conn.execute(broker._sql.purge_finished, [broker.dead_message_ttl])
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                self.logger.warning("Lease keeper could not reach the database: %s", e)
+            except Exception:
+                self.logger.exception("Lease keeper failed; trying again.")
+
+    def extend(self) -> None:
+        """Extend every lease this process holds, in one fenced statement."""
+        held = {mid: att for mid, (_, att) in self.held().items() if not self.is_lost(mid)}
+        if not held:
+            return
+        broker = self.broker
+        with broker._pool_connection(raw=True) as conn:
+            rows = conn.execute(broker._sql.extend, [broker.lease_seconds, list(held), list(held.values())]).fetchall()
+        kept = {str(r[0]) for r in rows}
+        lost = set(held) - kept
+        if lost:
+            with self._lock:
+                self._lost |= lost & set(self._held)
+            for message_id in lost:
+                self.logger.warning(
+                    "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "
+                    "this process's outcome for it will be fenced out.",
+                    message_id,
+                    held[message_id],
+                )
+
+    def rescue(self) -> int:
+        """Return expired leases (of any process) to their queues."""
+        broker = self.broker
+        with broker._pool_connection(raw=True) as conn:
+            rows = conn.execute(broker._sql.rescue).fetchall()
+            if rows:
+                queues = sorted({r[1] for r in rows})
+                conn.execute(broker._sql.notify, [broker.channel, queues])
+        for message_id, queue_name, attempt in rows:
+            self.logger.warning(
+                "Lease of message %s on queue %r (attempt %d) expired; it is queued for redelivery.",
+                message_id,
+                queue_name,
+                attempt,
+            )
+        return len(rows)

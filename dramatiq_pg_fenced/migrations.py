@@ -1,0 +1,106 @@
+"""Schema migrations: numbered SQL files applied once, under an advisory lock.
+
+The files live in the top-level ``sql/`` folder of the source tree and inside
+the wheel as ``dramatiq_pg_fenced/sql``.  Each file runs in the transaction
+that records it, so a failed migration leaves nothing half done.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from .errors import SchemaError
+from .sql import check_schema
+
+_FILE_RE = re.compile(r"(\d{3})_[a-z0-9_]+\.sql")
+
+
+def _sql_dir() -> Path:
+    packaged = resources.files("dramatiq_pg_fenced") / "sql"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "sql"  # source checkout / editable install
+
+
+def available() -> list[tuple[int, str, str]]:
+    """(version, file name, text) of every migration, in order."""
+    found = []
+    for path in sorted(_sql_dir().iterdir()):
+        match = _FILE_RE.fullmatch(path.name)
+        if match:
+            found.append((int(match.group(1)), path.name, path.read_text()))
+    return found
+
+
+def latest_version() -> int:
+    return available()[-1][0]
+
+
+def _lock_key(schema: str) -> int:
+    return zlib.crc32(f"dramatiq_pg_fenced:{schema}".encode()) - 2**31
+
+
+def current_version(conn: psycopg.Connection, schema: str) -> int:
+    """The schema's applied version; 0 when it has none."""
+    exists = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(schema, "schema_version").as_string(conn)]
+    ).fetchone()
+    if not exists or not exists[0]:
+        return 0
+    row = conn.execute(
+        sql.SQL("SELECT coalesce(max(version), 0) FROM {}").format(sql.Identifier(schema, "schema_version"))
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
+    """Apply every pending migration to *schema*; return the versions applied.
+
+    Safe to run twice and from several processes at once: a transaction-level
+    advisory lock serialises them and the second one finds nothing to do.
+    """
+    check_schema(schema)
+    ident = sql.Identifier(schema)
+    applied: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_key(schema)])
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_version ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(ident)
+        )
+        done = current_version(conn, schema)
+        for version, name, text in available():
+            if version <= done:
+                continue
+            conn.execute(sql.SQL(text).format(schema=ident))  # type: ignore[arg-type]
+            conn.execute(
+                sql.SQL("INSERT INTO {}.schema_version (version, name) VALUES (%s, %s)").format(ident),
+                [version, name],
+            )
+            applied.append(version)
+    return applied
+
+
+def check(conn: psycopg.Connection, schema: str, url_hint: str = "URL") -> None:
+    """Raise :class:`SchemaError` unless *schema* is at the latest version."""
+    have, want = current_version(conn, schema), latest_version()
+    if have < want:
+        what = "has no dramatiq-pg-fenced schema" if have == 0 else f"is at schema version {have}, need {want}"
+        raise SchemaError(
+            f"schema {schema!r} {what}. Run: dramatiq-pg-fenced migrate --url {url_hint} --schema {schema}"
+            " (or broker.migrate())"
+        )
+    if have > want:
+        raise SchemaError(
+            f"schema {schema!r} is at version {have}, newer than this dramatiq-pg-fenced ({want}); upgrade the package"
+        )
