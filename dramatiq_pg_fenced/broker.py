@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
