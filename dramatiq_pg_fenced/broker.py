@@ -316,7 +316,7 @@ class PostgresBroker(Broker):
                 if tries == 2:
                     raise ConnectionClosed(self._describe(e)) from None
 
-    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> Message:
+    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> PostgresMessageProxy:
         self.emit_before("enqueue", message, delay)
         if message.settled:
             self.logger.warning(
