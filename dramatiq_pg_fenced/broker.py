@@ -143,6 +143,7 @@ class PostgresBroker(Broker):
         self._counts_lock = threading.Lock()
         self._counts = {"stale_writes": 0, "cancelled_writes": 0}
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
+        self._local = threading.local()  # per thread: an open batch() or transaction()
 
     # -- process state ------------------------------------------------------
     def _state(self) -> _ProcessState:
@@ -254,6 +255,10 @@ class PostgresBroker(Broker):
         if isinstance(message, PostgresMessageProxy):
             return cast(Message, self._retry(message, delay))
         self.emit_before("enqueue", message, delay)
+        batch = getattr(self._local, "batch", None)
+        if batch is not None:
+            batch.append((message, delay))  # written, and emit_after sent, when the block ends
+            return message
         self._insert([(message, delay)])
         self.emit_after("enqueue", message, delay)
         return message
@@ -267,6 +272,42 @@ class PostgresBroker(Broker):
         for message in messages:
             self.emit_after("enqueue", message, delay)
         return messages
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Collect every message sent in this thread inside the block; insert them in one round trip at its end.
+
+        ``with broker.batch(): group(...).run()`` enqueues a whole group at
+        once.  If the block raises, nothing is enqueued.
+        """
+        if getattr(self._local, "batch", None) is not None:
+            yield  # nested: the outer block writes
+            return
+        items: list[tuple[Message, int | None]] = []
+        self._local.batch = items
+        try:
+            yield
+        finally:
+            self._local.batch = None
+        self._insert(items)
+        for message, delay in items:
+            self.emit_after("enqueue", message, delay)
+
+    @contextmanager
+    def transaction(self, conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
+        """Enqueue on *conn*, inside the caller's own transaction (the outbox pattern).
+
+        Messages sent in this thread inside the block are written with the
+        caller's connection: they become visible only if the caller's
+        transaction commits and vanish if it rolls back.  The doorbell rings at
+        commit (NOTIFY is transactional).
+        """
+        previous = getattr(self._local, "conn", None)
+        self._local.conn = conn
+        try:
+            yield conn
+        finally:
+            self._local.conn = previous
 
     def _encode(self, message: Message) -> bytes:
         if "attempt" in message.options:
@@ -303,18 +344,25 @@ class PostgresBroker(Broker):
                 col.append(value)
             if not delay:
                 wake.add(message.queue_name)
+        caller_conn = getattr(self._local, "conn", None)
+        if caller_conn is not None:
+            self._write_insert(caller_conn, cols, wake)  # the caller's transaction decides
+            return
         for tries in (1, 2):  # the insert is idempotent by message_id: one retry on a dropped connection is safe
             try:
                 with self._pool_connection(raw=True) as conn, conn.transaction():
-                    if not self.synchronous_commit:
-                        conn.execute("SET LOCAL synchronous_commit = off")
-                    conn.execute(self._sql.enqueue, cols)
-                    if wake and self.listen:
-                        conn.execute(self._sql.notify, [self.channel, sorted(wake)])
+                    self._write_insert(conn, cols, wake)
                 return
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 if tries == 2:
                     raise ConnectionClosed(self._describe(e)) from None
+
+    def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]], wake: set[str]) -> None:
+        if not self.synchronous_commit:
+            conn.execute("SET LOCAL synchronous_commit = off")
+        conn.execute(self._sql.enqueue, cols)
+        if wake and self.listen:
+            conn.execute(self._sql.notify, [self.channel, sorted(wake)])
 
     def _retry(self, message: PostgresMessageProxy, delay: int | None) -> PostgresMessageProxy:
         self.emit_before("enqueue", message, delay)
