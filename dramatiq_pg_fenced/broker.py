@@ -19,7 +19,7 @@ from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import migrations
 from .consumer import PostgresConsumer, PostgresMessageProxy
@@ -176,6 +176,12 @@ class PostgresBroker(Broker):
         except psycopg.Error:
             info = {}
         where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+        if isinstance(error, PoolTimeout) and self.url:
+            # The pool only says it timed out; one direct try tells why (refused, auth, unknown host...).
+            try:
+                psycopg.connect(self.url, connect_timeout=self.connect_timeout).close()
+            except psycopg.Error as direct:
+                error = direct
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
         password = info.get("password")
         if password:

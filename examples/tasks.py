@@ -1,0 +1,50 @@
+"""The quickstart's actors.  Workers load this module: ``dramatiq tasks``.
+
+The broker and the results backend both come from ``DATABASE_URL``.
+"""
+
+import os
+import time
+
+import dramatiq
+from dramatiq.middleware import CurrentMessage
+from dramatiq.results import Results
+
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.results import PostgresBackend
+
+url = os.environ["DATABASE_URL"]
+broker = PostgresBroker(url)
+broker.add_middleware(Results(backend=PostgresBackend(url)))
+broker.add_middleware(CurrentMessage())
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(store_results=True)
+def add(x, y):
+    return x + y
+
+
+@dramatiq.actor(store_results=True)
+def double(x):
+    return 2 * x
+
+
+@dramatiq.actor(store_results=True)
+def whoami():
+    """Which worker process ran me."""
+    return os.getpid()
+
+
+@dramatiq.actor(store_results=True, max_retries=3, min_backoff=200, max_backoff=500)
+def flaky(n):
+    """Fails on its first delivery, succeeds on the retry: shows options["retries"] and ["attempt"]."""
+    options = CurrentMessage.get_current_message().options
+    if options.get("retries", 0) == 0:
+        raise RuntimeError("first delivery fails on purpose")
+    return {"n": n, "retries": options["retries"], "attempt": options["attempt"]}
+
+
+@dramatiq.actor(store_results=True)
+def delayed_now():
+    return time.time()
