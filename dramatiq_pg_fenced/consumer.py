@@ -133,14 +133,21 @@ class PostgresConsumer(Consumer):
         if self.buffer:
             proxies.extend(self.buffer)
             self.buffer.clear()
-        if proxies:
+        if not proxies:
+            return
+        try:
             self.broker._requeue(proxies)
+        except ConnectionClosed:
+            # Their leases will lapse and the rescuer re-queues them; forget them
+            # here, or they would hold prefetch slots of this process forever.
+            for proxy in proxies:
+                self.broker._leases.release(proxy.message_id, proxy.attempt)
+            raise
 
     def close(self) -> None:
         if self.buffer:
+            count = len(self.buffer)
             try:
                 self.requeue([])
             except ConnectionClosed:
-                self.logger.warning(
-                    "Could not release %d prefetched message(s); their leases will lapse.", len(self.buffer)
-                )
+                self.logger.warning("Could not release %d prefetched message(s); their leases will lapse.", count)
