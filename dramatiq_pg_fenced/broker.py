@@ -8,10 +8,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from enum import Enum
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
@@ -28,6 +28,8 @@ from .errors import DeadLetterError, PayloadTooLarge
 from .leases import Leases
 from .outcomes import Outcome, OutcomeWriter, describe
 from .sql import check_queue, check_schema, statements
+
+T = TypeVar("T")
 
 #: Defaults, also listed in the README's configuration table.
 DEFAULT_SCHEMA = "dramatiq"
@@ -204,9 +206,30 @@ class PostgresBroker(Broker):
                     proc.schema_checked = True
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if not isinstance(e, PoolTimeout) and proc.owns_pool:
+                # One broken connection usually means all idle ones are (server
+                # restart, pg_terminate_backend): drop them now, not one per retry.
+                with suppress(Exception):
+                    proc.pool.check()
             if raw:
                 raise
             raise ConnectionClosed(self._describe(e)) from None
+
+    def _run(self, work: Callable[[psycopg.Connection], T], *, transaction: bool = False) -> T:
+        """Run idempotent *work* on a pooled connection; once more on a fresh
+        one if the first was broken.  Connection failures become Dramatiq's
+        ``ConnectionClosed``."""
+        for tries in (1, 2):
+            try:
+                with self._pool_connection(raw=True) as conn:
+                    if not transaction:
+                        return work(conn)
+                    with conn.transaction():
+                        return work(conn)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if tries == 2 or isinstance(e, PoolTimeout):
+                    raise ConnectionClosed(self._describe(e)) from None
+        raise AssertionError("unreachable")
 
     def _safe_url(self) -> str:
         if not self.url:
@@ -354,14 +377,8 @@ class PostgresBroker(Broker):
         if caller_conn is not None:
             self._write_insert(caller_conn, cols, wake)  # the caller's transaction decides
             return
-        for tries in (1, 2):  # the insert is idempotent by message_id: one retry on a dropped connection is safe
-            try:
-                with self._pool_connection(raw=True) as conn, conn.transaction():
-                    self._write_insert(conn, cols, wake)
-                return
-            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                if tries == 2:
-                    raise ConnectionClosed(self._describe(e)) from None
+        # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
+        self._run(lambda conn: self._write_insert(conn, cols, wake), transaction=True)
 
     def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]], wake: set[str]) -> None:
         if not self.synchronous_commit:
@@ -397,7 +414,8 @@ class PostgresBroker(Broker):
         """Release unstarted deliveries now, fenced; the attempt number stays."""
         ids = [p.message_id for p in proxies]
         attempts = [p.attempt for p in proxies]
-        with self._pool_connection() as conn, conn.transaction():
+
+        def release(conn: psycopg.Connection) -> set[str]:
             rows = conn.execute(self._sql.requeue, [ids, attempts]).fetchall()
             released = {str(r[0]) for r in rows}
             stale = [("requeue", p.message_id, p.attempt) for p in proxies if p.message_id not in released]
@@ -405,6 +423,9 @@ class PostgresBroker(Broker):
                 self._report_stale(conn, stale)
             if released and self.listen:
                 conn.execute(self._sql.notify, [self.channel, sorted({p.queue_name for p in proxies})])
+            return released
+
+        released = self._run(release, transaction=True)
         for p in proxies:
             p.settled = True
             self._leases.release(p.message_id, p.attempt)
@@ -445,8 +466,7 @@ class PostgresBroker(Broker):
         self.flush_queues(sorted(self.queues))
 
     def flush_queues(self, queue_names: list[str]) -> None:
-        with self._pool_connection() as conn:
-            conn.execute(self._sql.flush, [queue_names])
+        self._run(lambda conn: conn.execute(self._sql.flush, [queue_names]))
 
     def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool = False, interval: int = 20) -> None:
         """Wait until the queue has nothing queued, delayed or running.
@@ -461,15 +481,14 @@ class PostgresBroker(Broker):
         while True:
             if self._proc is not None:
                 self._writer.flush(timeout=1.0)
-            with self._pool_connection() as conn:
-                if fail_fast:
-                    dead = conn.execute(self._sql.dead_letters, [queue_name]).fetchone()
-                    if dead is not None:
-                        exc = self._dead.get(str(dead[0]))
-                        if exc is not None:
-                            raise exc
-                        raise DeadLetterError(str(dead[0]), dead[1])
-                row = conn.execute(self._sql.pending, [queue_name]).fetchone()
+            if fail_fast:
+                dead = self._run(lambda conn: conn.execute(self._sql.dead_letters, [queue_name]).fetchone())
+                if dead is not None:
+                    exc = self._dead.get(str(dead[0]))
+                    if exc is not None:
+                        raise exc
+                    raise DeadLetterError(str(dead[0]), dead[1])
+            row = self._run(lambda conn: conn.execute(self._sql.pending, [queue_name]).fetchone())
             if row is not None and row[0] == 0:
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -485,25 +504,22 @@ class PostgresBroker(Broker):
         attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
         an attempt: cancellation is an administrative action on the message.
         """
-        with self._pool_connection() as conn:
-            row = conn.execute(self._sql.cancel, [message_id]).fetchone()
-            if row is not None:
-                return CancelOutcome.QUEUED if row[0] == "queued" else CancelOutcome.RUNNING
-            now = conn.execute(self._sql.state_of, [message_id]).fetchone()
+        row = self._run(lambda conn: conn.execute(self._sql.cancel, [message_id]).fetchone())
+        if row is not None:
+            return CancelOutcome.QUEUED if row[0] == "queued" else CancelOutcome.RUNNING
+        now = self._run(lambda conn: conn.execute(self._sql.state_of, [message_id]).fetchone())
         if now is None:
             return CancelOutcome.NOT_FOUND
         return CancelOutcome.ALREADY_CANCELLED if now[0] == "cancelled" else CancelOutcome.DEAD
 
     def is_cancelled(self, message_id: str) -> bool:
         """For actors: was my message cancelled while I run?"""
-        with self._pool_connection() as conn:
-            row = conn.execute(self._sql.state_of, [message_id]).fetchone()
+        row = self._run(lambda conn: conn.execute(self._sql.state_of, [message_id]).fetchone())
         return row is not None and row[0] == "cancelled"
 
     def inspect(self, message_id: str) -> dict[str, Any] | None:
         """What operators need to understand a message; ``None`` if unknown."""
-        with self._pool_connection() as conn:
-            row = conn.execute(self._sql.inspect, [message_id]).fetchone()
+        row = self._run(lambda conn: conn.execute(self._sql.inspect, [message_id]).fetchone())
         if row is None:
             return None
         keys = (
@@ -525,11 +541,10 @@ class PostgresBroker(Broker):
         """Counters of this process, totals from the database, and queue sizes."""
         with self._counts_lock:
             local = dict(self._counts)
-        with self._pool_connection() as conn:
-            totals = dict(conn.execute(self._sql.counters).fetchall())
-            queues: dict[str, dict[str, int]] = {}
-            for queue_name, state, count in conn.execute(self._sql.queue_stats).fetchall():
-                queues.setdefault(queue_name, {})[state] = count
+        totals: dict[str, int] = dict(self._run(lambda conn: conn.execute(self._sql.counters).fetchall()))
+        queues: dict[str, dict[str, int]] = {}
+        for queue_name, state, count in self._run(lambda conn: conn.execute(self._sql.queue_stats).fetchall()):
+            queues.setdefault(queue_name, {})[state] = count
         held = self._leases.held() if self._proc is not None else {}
         return {"process": {**local, "held": len(held)}, "totals": totals, "queues": queues}
 

@@ -28,6 +28,7 @@ class Leases:
         self._lock = threading.Lock()
         self._held: dict[str, tuple[str, int]] = {}  # message_id -> (queue, attempt)
         self._lost: set[str] = set()
+        self._finishing: set[str] = set()  # outcome handed to the writer, not yet written
         self._per_queue: Counter[str] = Counter()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,6 +49,13 @@ class Leases:
                 del self._held[message_id]
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
+                self._finishing.discard(message_id)
+
+    def finishing(self, message_id: str) -> None:
+        """Its outcome is on the way: a missing row is then no loss worth a warning."""
+        with self._lock:
+            if message_id in self._held:
+                self._finishing.add(message_id)
 
     def outstanding(self, queue_name: str) -> int:
         with self._lock:
@@ -100,10 +108,10 @@ class Leases:
         with broker._pool_connection(raw=True) as conn:
             rows = conn.execute(broker._sql.extend, [broker.lease_seconds, list(held), list(held.values())]).fetchall()
         kept = {str(r[0]) for r in rows}
-        lost = set(held) - kept
+        with self._lock:
+            lost = {mid for mid in set(held) - kept if mid in self._held and mid not in self._finishing}
+            self._lost |= lost
         if lost:
-            with self._lock:
-                self._lost |= lost & set(self._held)
             for message_id in lost:
                 self.logger.warning(
                     "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "

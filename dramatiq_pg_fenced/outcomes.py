@@ -48,6 +48,7 @@ class OutcomeWriter:
         self._thread.start()
 
     def submit(self, outcome: Outcome) -> None:
+        self.broker._leases.finishing(outcome.message_id)
         with self._cond:
             self._pending.append(outcome)
             self._cond.notify_all()
