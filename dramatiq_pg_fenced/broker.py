@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -246,8 +247,11 @@ class PostgresBroker(Broker):
     # -- Dramatiq's Broker API ----------------------------------------------------
     def migrate(self) -> list[int]:
         """Create or upgrade the schema; returns the versions applied."""
-        with self._state().pool.connection() as conn:
-            applied = migrations.migrate(conn, self.schema)
+        try:
+            with self._state().pool.connection() as conn:
+                applied = migrations.migrate(conn, self.schema)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            raise ConnectionClosed(self._describe(e)) from None
         self._state().schema_checked = True
         return applied
 
@@ -396,14 +400,37 @@ class PostgresBroker(Broker):
         else:
             message.settled = True
             exc = message._exception
+            error = message.options.get("traceback") or (repr(exc) if exc is not None else None)
+            try:
+                payload = self._encode(message._message)
+            except PayloadTooLarge:
+                # Dramatiq's traceback option made it grow; last_error keeps the traceback anyway.
+                slim = {k: v for k, v in message._message.options.items() if k != "traceback"}
+                try:
+                    payload = self._encode(dataclasses.replace(message._message, options=slim))
+                except PayloadTooLarge as e:
+                    # Raising here would let the ack that follows drop the message: dead-letter it instead.
+                    self.logger.error("Message %s cannot be retried: %s", message.message_id, e)
+                    self._writer.submit(
+                        Outcome(
+                            "nack",
+                            message.message_id,
+                            message.attempt,
+                            error=f"retry refused: {e}\n{error}",
+                            queue_name=message.queue_name,
+                            exception=exc,
+                        )
+                    )
+                    self.emit_after("enqueue", message, delay)
+                    return message
             self._writer.submit(
                 Outcome(
                     "retry",
                     message.message_id,
                     message.attempt,
-                    payload=self._encode(message._message),
+                    payload=payload,
                     delay_ms=max(int(delay or 0), 0),
-                    error=message.options.get("traceback") or (repr(exc) if exc is not None else None),
+                    error=error,
                     queue_name=message.queue_name,
                 )
             )

@@ -1,0 +1,1 @@
+"""Dramatiq apps that tests run with the real ``dramatiq`` CLI."""
