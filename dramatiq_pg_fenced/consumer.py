@@ -46,6 +46,10 @@ class PostgresConsumer(Consumer):
         self.timeout = timeout / 1000
         self.buffer: deque[PostgresMessageProxy] = deque()
         self.doorbell = broker._doorbell_event(queue_name)
+        # The keeper also rescues other processes' expired leases: a consuming
+        # process must run it even before it holds anything, or a message of a
+        # dead or paused worker waits until some worker happens to claim.
+        broker._leases.start()
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout
