@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from enum import Enum
 from typing import Any, TypeVar, cast
@@ -458,8 +458,18 @@ class PostgresBroker(Broker):
             self._leases.release(p.message_id, p.attempt)
         self.logger.info("Released %d unstarted message(s).", len(released))
 
-    def _report_stale(self, conn: psycopg.Connection, stale: list[tuple[str, str, int]]) -> None:
-        """Log and count fenced-out writes.  Called inside the writing transaction."""
+    def _report_stale(
+        self,
+        conn: psycopg.Connection,
+        stale: list[tuple[str, str, int]],
+        retried: Collection[tuple[str, int]] = (),
+    ) -> None:
+        """Log and count fenced-out writes.  Called inside the writing transaction.
+
+        *retried* holds the (message id, attempt) pairs whose previous try
+        failed with a broken connection: it may have committed, so a row that
+        looks as that write left it is not counted as stale.
+        """
         rows = conn.execute(self._sql.current, [[mid for _, mid, _ in stale]]).fetchall()
         current = {str(r[0]): (r[1], r[2]) for r in rows}
         n_stale = n_cancelled = 0
@@ -469,6 +479,15 @@ class PostgresBroker(Broker):
                 n_cancelled += 1
                 self.logger.info(
                     "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind, attempt
+                )
+                continue
+            if (message_id, attempt) in retried and _left_by(kind, attempt, now):
+                self.logger.info(
+                    "The %s of message %s by attempt %d was probably written by a try whose connection broke "
+                    "at commit; not counted as stale.",
+                    kind,
+                    message_id,
+                    attempt,
                 )
                 continue
             n_stale += 1
@@ -574,6 +593,17 @@ class PostgresBroker(Broker):
             queues.setdefault(queue_name, {})[state] = count
         held = self._leases.held() if self._proc is not None else {}
         return {"process": {**local, "held": len(held)}, "totals": totals, "queues": queues}
+
+
+def _left_by(kind: str, attempt: int, now: tuple[str, int] | None) -> bool:
+    """Does the row look as the *kind* write of *attempt* would have left it?"""
+    if kind == "ack":
+        return now is None
+    if kind == "nack":
+        return now == ("dead", attempt)
+    if kind == "retry":
+        return now == ("queued", attempt)
+    return False
 
 
 __all__ = ["PostgresBroker", "CancelOutcome", "MessageProxy"]

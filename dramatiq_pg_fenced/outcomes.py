@@ -44,6 +44,9 @@ class OutcomeWriter:
         self._cond = threading.Condition()
         self._busy = False
         self._stopped = False
+        # (message_id, attempt) whose last try failed: it may have committed
+        # before the connection broke, so finding it applied is no stale write.
+        self._retried: set[tuple[str, int]] = set()
         self._thread = threading.Thread(target=self._run, name="dramatiq-pg-outcomes", daemon=True)
         self._thread.start()
 
@@ -91,6 +94,7 @@ class OutcomeWriter:
                     e,
                     backoff,
                 )
+                self._retried.update((o.message_id, o.attempt) for o in batch)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
                 continue
@@ -100,6 +104,7 @@ class OutcomeWriter:
                 )
             backoff = 0.05
             for outcome in batch:
+                self._retried.discard((outcome.message_id, outcome.attempt))
                 self.broker._leases.release(outcome.message_id, outcome.attempt)
             batch = []
             with self._cond:
@@ -142,7 +147,7 @@ class OutcomeWriter:
                 applied.update(str(r[0]) for r in rows)
             stale = [(o.kind, o.message_id, o.attempt) for o in batch if o.message_id not in applied]
             if stale:
-                broker._report_stale(conn, stale)
+                broker._report_stale(conn, stale, retried=self._retried)
         for outcome in batch:
             if outcome.kind == "nack" and outcome.message_id in applied:
                 broker._remember_dead(outcome.message_id, outcome.exception)

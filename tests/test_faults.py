@@ -299,6 +299,7 @@ def assert_each_ran_once(ledger: Ledger, messages: list[Message]) -> list[Entry]
 def test_terminated_connections_recover_without_rerunning(fault_env: Callable[..., Env]) -> None:
     """pg_terminate_backend on every broker connection, three times, while actors run."""
     broker, ledger, workers = fault_env(lease_seconds=10, threads=4)
+    stale_before = stale_total(broker)
     messages = work_messages(300, 0.1)
     broker.enqueue_many(messages)
     workers.start()
@@ -313,6 +314,9 @@ def test_terminated_connections_recover_without_rerunning(fault_env: Callable[..
     wait_for(lambda: not ledger.rows_by_state(), 120, "all messages to be acked")
     workers.stop_all()
     assert_each_ran_once(ledger, messages)
+    # No lease lapsed, so no write was stale: an outcome whose first try committed just
+    # before its connection broke, and was written again, is not a stale write.
+    assert stale_total(broker) == stale_before
 
 
 class Proxy:
@@ -410,6 +414,7 @@ def test_database_outage_shorter_than_lease(proxy: tuple[Proxy, str], fault_env:
     computed during the outage are written when it ends, nothing runs twice, nothing is lost."""
     relay, via_proxy = proxy
     broker, ledger, workers = fault_env(lease_seconds=15, threads=4, broker_url=via_proxy)
+    stale_before = stale_total(broker)
     messages = work_messages(200, 0.1)
     broker.enqueue_many(messages)
     workers.start()
@@ -429,6 +434,7 @@ def test_database_outage_shorter_than_lease(proxy: tuple[Proxy, str], fault_env:
         [cut_at, restored_at],
     ).fetchone()
     assert during is not None and during[0] > 0
+    assert stale_total(broker) == stale_before
 
 
 @pytest.mark.slow
