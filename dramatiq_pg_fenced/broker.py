@@ -382,14 +382,12 @@ class PostgresBroker(Broker):
             self._write_insert(caller_conn, cols, wake)  # the caller's transaction decides
             return
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
-        self._run(lambda conn: self._write_insert(conn, cols, wake), transaction=True)
+        # One statement, so autocommit makes it one round trip and one commit.
+        self._run(lambda conn: self._write_insert(conn, cols, wake))
 
     def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]], wake: set[str]) -> None:
-        if not self.synchronous_commit:
-            conn.execute("SET LOCAL synchronous_commit = off")
-        conn.execute(self._sql.enqueue, cols)
-        if wake and self.listen:
-            conn.execute(self._sql.notify, [self.channel, sorted(wake)])
+        statement = self._sql.enqueue if self.synchronous_commit else self._sql.enqueue_relaxed
+        conn.execute(statement, [*cols, self.channel, bool(wake) and self.listen])
 
     def _retry(self, message: PostgresMessageProxy, delay: int | None) -> PostgresMessageProxy:
         self.emit_before("enqueue", message, delay)

@@ -58,13 +58,18 @@ class PostgresConsumer(Consumer):
                 return self.buffer.popleft()
             if self.doorbell is not None:
                 self.doorbell.clear()
-            if self.broker._leases.outstanding(self.queue_name) < self.prefetch:
+            full = self.broker._leases.outstanding(self.queue_name) >= self.prefetch
+            if not full:
                 self._claim()
                 if self.buffer:
                     continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            if full:
+                # Every slot is taken: a written outcome frees one, not the doorbell.
+                self.broker._leases.wait_below(self.queue_name, self.prefetch, remaining)
+                continue
             wait = min(remaining, self.broker.poll_interval)
             if self.doorbell is not None:
                 self.doorbell.wait(wait)

@@ -26,6 +26,7 @@ class Leases:
         self.broker = broker
         self.logger = broker.logger
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a held message was released
         self._held: dict[str, tuple[str, int]] = {}  # message_id -> (queue, attempt)
         self._lost: set[str] = set()
         self._finishing: set[str] = set()  # outcome handed to the writer, not yet written
@@ -50,6 +51,7 @@ class Leases:
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
                 self._finishing.discard(message_id)
+                self._freed.notify_all()
 
     def finishing(self, message_id: str) -> None:
         """Its outcome is on the way: a missing row is then no loss worth a warning."""
@@ -60,6 +62,11 @@ class Leases:
     def outstanding(self, queue_name: str) -> int:
         with self._lock:
             return self._per_queue[queue_name]
+
+    def wait_below(self, queue_name: str, limit: int, timeout: float) -> bool:
+        """Wait until fewer than *limit* messages of the queue are held (a consumer at its prefetch)."""
+        with self._freed:
+            return self._freed.wait_for(lambda: self._per_queue[queue_name] < limit, timeout)
 
     def is_lost(self, message_id: str) -> bool:
         with self._lock:

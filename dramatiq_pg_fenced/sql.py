@@ -36,14 +36,22 @@ def check_queue(name: str) -> str:
 
 _TEMPLATES = {
     # -- enqueue ---------------------------------------------------------
+    # One statement (one round trip, atomic even in autocommit): the rows and
+    # one NOTIFY per queue that got a message due now; the last parameter
+    # says whether to ring at all.
     "enqueue": """
-        INSERT INTO {schema}.message
-            (message_id, queue_name, actor_name, priority, available_at, payload)
-        SELECT m.id, m.queue, m.actor, m.priority,
-               now() + m.delay_ms * interval '1 millisecond', m.payload
-          FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::bigint[], %s::bytea[])
-               AS m(id, queue, actor, priority, delay_ms, payload)
-        ON CONFLICT (message_id) DO NOTHING
+        WITH ins AS (
+            INSERT INTO {schema}.message
+                (message_id, queue_name, actor_name, priority, available_at, payload)
+            SELECT m.id, m.queue, m.actor, m.priority,
+                   now() + m.delay_ms * interval '1 millisecond', m.payload
+              FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::bigint[], %s::bytea[])
+                   AS m(id, queue, actor, priority, delay_ms, payload)
+            ON CONFLICT (message_id) DO NOTHING
+            RETURNING queue_name, available_at
+        )
+        SELECT pg_notify(%s, q.queue_name)
+          FROM (SELECT DISTINCT queue_name FROM ins WHERE %s AND available_at <= now()) AS q
     """,
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
     # -- claim -------------------------------------------------------------
@@ -157,6 +165,16 @@ _TEMPLATES = {
         SELECT queue_name, state, count(*) FROM {schema}.message GROUP BY queue_name, state
     """,
 }
+
+
+#: ``enqueue`` for ``synchronous_commit=False``: set_config(..., true) is SET
+#: LOCAL, and lasts until the commit of the statement's own implicit
+#: transaction, so relaxed enqueues need no extra round trip either.
+_TEMPLATES["enqueue_relaxed"] = _TEMPLATES["enqueue"].replace(
+    "AS m(id, queue, actor, priority, delay_ms, payload)",
+    "AS m(id, queue, actor, priority, delay_ms, payload),\n"
+    "                   (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed",
+)
 
 
 @cache
