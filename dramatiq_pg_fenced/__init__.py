@@ -13,3 +13,16 @@ __all__ = [
     "SchemaError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``PostgresResultBackend`` and ``PostgresRateLimiterBackend``, imported on first use."""
+    if name == "PostgresResultBackend":
+        from .results import PostgresBackend
+
+        return PostgresBackend
+    if name == "PostgresRateLimiterBackend":
+        from .rate_limits import PostgresBackend as RateLimiterBackend
+
+        return RateLimiterBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
 
-from .outcomes import Outcome
+from .outcomes import Outcome, ResultWrite
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -29,12 +29,15 @@ class PostgresMessageProxy(MessageProxy):
 
     ``settled`` is set once a fenced transition (a retry) was handed to the
     writer, so the ack Dramatiq sends after a retry is a quiet no-op.
+    ``pending_result`` is set by the results backend: the result is written
+    in the transaction of this attempt's ack, and only if the ack applies.
     """
 
     def __init__(self, message: Message, attempt: int) -> None:
         super().__init__(message)
         self.attempt = attempt
         self.settled = False
+        self.pending_result: ResultWrite | None = None
 
 
 class PostgresConsumer(Consumer):
@@ -133,8 +136,10 @@ class PostgresConsumer(Consumer):
                 error=error,
                 queue_name=self.queue_name,
                 exception=message._exception if kind == "nack" else None,
+                result=message.pending_result if kind == "ack" else None,
             )
         )
+        message.pending_result = None
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Release unstarted messages at once (fenced; the attempt stays)."""

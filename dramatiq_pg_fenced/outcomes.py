@@ -12,18 +12,38 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+
+from .sql import results_channel
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
 
 
 @dataclass
+class ResultWrite:
+    """An actor's result for the results table (see results.py), written here.
+
+    Attached to an ack, it is written in the ack's transaction and only if the
+    ack applies.  As a ``"result"`` outcome (a stored exception, submitted
+    right after its nack) it is fenced on the row being at that attempt,
+    running or dead, so it lands only if its attempt's nack did.
+    """
+
+    key: str
+    message_id: str
+    attempt: int | None  # None: stored outside a delivery, not fenced
+    data: bytes
+    ttl_ms: int
+
+
+@dataclass
 class Outcome:
-    kind: str  # "ack" | "nack" | "retry"
+    kind: str  # "ack" | "nack" | "retry" | "result"
     message_id: str
     attempt: int
     error: str | None = None
@@ -31,6 +51,7 @@ class Outcome:
     delay_ms: int = 0
     queue_name: str = ""
     exception: BaseException | None = field(default=None, repr=False)
+    result: ResultWrite | None = field(default=None, repr=False)
 
 
 class OutcomeWriter:
@@ -114,7 +135,7 @@ class OutcomeWriter:
     def write(self, batch: list[Outcome]) -> None:
         broker = self.broker
         stmts = broker._sql
-        by_kind: dict[str, list[Outcome]] = {"ack": [], "nack": [], "retry": []}
+        by_kind: dict[str, list[Outcome]] = {"ack": [], "nack": [], "retry": [], "result": []}
         for outcome in batch:
             by_kind[outcome.kind].append(outcome)
         # The same message may appear twice only through a bug upstream; the
@@ -145,12 +166,55 @@ class OutcomeWriter:
                     ],
                 ).fetchall()
                 applied.update(str(r[0]) for r in rows)
-            stale = [(o.kind, o.message_id, o.attempt) for o in batch if o.message_id not in applied]
+            stale = [
+                (o.kind, o.message_id, o.attempt) for o in batch if o.kind != "result" and o.message_id not in applied
+            ]
+            if any(o.result is not None for o in batch):
+                stale += self._write_results(conn, by_kind, applied)
             if stale:
                 broker._report_stale(conn, stale, retried=self._retried)
         for outcome in batch:
             if outcome.kind == "nack" and outcome.message_id in applied:
                 broker._remember_dead(outcome.message_id, outcome.exception)
+
+    def _write_results(
+        self, conn: psycopg.Connection, by_kind: dict[str, list[Outcome]], applied: set[str]
+    ) -> list[tuple[str, str, int]]:
+        """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones."""
+        stmts = self.broker._sql
+        channel = results_channel(self.broker.schema)
+        # One row per key and statement (ON CONFLICT cannot touch a row twice).
+        with_ack = {o.result.key: o.result for o in by_kind["ack"] if o.result is not None and o.message_id in applied}
+        fenced = {o.result.key: o.result for o in by_kind["result"] if o.result is not None}
+        stale: list[tuple[str, str, int]] = []
+        try:
+            with conn.transaction():  # a savepoint: a result that cannot be written must not undo the acks
+                if with_ack:
+                    conn.execute(stmts.result_store, {**_result_params(with_ack.values()), "channel": channel})
+                if fenced:
+                    params = {**_result_params(fenced.values()), "channel": channel, "states": ["running", "dead"]}
+                    written = {r[0] for r in conn.execute(stmts.result_store_fenced, params).fetchall()}
+                    stale = [
+                        ("result", w.message_id, w.attempt or 0) for key, w in fenced.items() if key not in written
+                    ]
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            raise
+        except psycopg.Error:
+            self.logger.exception(
+                "Could not write %d result(s); they are dropped, the acks stand.", len(with_ack) + len(fenced)
+            )
+        return stale
+
+
+def _result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:
+    writes = list(writes)
+    return {
+        "keys": [w.key for w in writes],
+        "ids": [w.message_id for w in writes],
+        "attempts": [w.attempt for w in writes],
+        "data": [w.data for w in writes],
+        "ttls": [w.ttl_ms for w in writes],
+    }
 
 
 def describe(outcome_kind: str, message_id: str, attempt: int, current: Any) -> str:

@@ -187,3 +187,132 @@ def statements(schema: str) -> SimpleNamespace:
 def bind(text: str, schema: sql.Identifier) -> bytes:
     """Put the quoted *schema* into a template; whitespace folded for the logs."""
     return sql.SQL(" ".join(text.split())).format(schema=schema).as_string(None).encode()
+
+
+# -- results and rate limits (migration 002) ----------------------------------
+# Used by results.py, rate_limits.py and the outcome writer.  A result write
+# NOTIFYs "{schema}_results" with its key, a rate-limiter event
+# "{schema}_rate_limits" with its key; a key too long for a NOTIFY payload
+# (8000 bytes) sends "*" and wakes every waiter, who then re-read.
+_RESULT_UPSERT = """
+        ON CONFLICT (key) DO UPDATE
+           SET message_id = EXCLUDED.message_id, attempt = EXCLUDED.attempt, data = EXCLUDED.data,
+               stored_at = now(), expires_at = EXCLUDED.expires_at
+         WHERE r.attempt IS NULL OR EXCLUDED.attempt IS NULL OR r.attempt <= EXCLUDED.attempt
+            OR r.expires_at <= now()
+        RETURNING key
+"""
+_WAKE = "pg_notify(%(channel)s, CASE WHEN octet_length(key) < 8000 THEN key ELSE '*' END)"
+_TEMPLATES.update(
+    {
+        "result_get": "SELECT data, expires_at > now() FROM {schema}.result WHERE key = %s",
+        "result_drop_expired": "DELETE FROM {schema}.result WHERE key = %s AND expires_at <= now()",
+        # Results whose delivery was already checked (their ack applied in this
+        # transaction) or that belong to no delivery (attempt NULL).
+        "result_store": f"""
+            WITH written AS (
+                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, data, expires_at)
+                SELECT w.key, w.message_id, w.attempt, w.data, now() + w.ttl_ms * interval '1 millisecond'
+                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(data)s::bytea[],
+                              %(ttls)s::bigint[]) AS w(key, message_id, attempt, data, ttl_ms)
+                {_RESULT_UPSERT}
+            )
+            SELECT key, {_WAKE} FROM written
+        """,
+        # Fenced: written only while the message row is at that attempt in one of
+        # %(states)s; FOR SHARE makes a concurrent claim or rescue wait for us.
+        "result_store_fenced": f"""
+            WITH written AS (
+                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, data, expires_at)
+                SELECT w.key, w.message_id, w.attempt, w.data, now() + w.ttl_ms * interval '1 millisecond'
+                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(data)s::bytea[],
+                              %(ttls)s::bigint[]) AS w(key, message_id, attempt, data, ttl_ms)
+                 WHERE EXISTS (
+                       SELECT 1 FROM {{schema}}.message AS m
+                        WHERE m.message_id = w.message_id::uuid AND m.attempt = w.attempt
+                          AND m.state = ANY(%(states)s::text[])
+                          FOR SHARE)
+                {_RESULT_UPSERT}
+            )
+            SELECT key, {_WAKE} FROM written
+        """,
+        "result_purge": """
+            DELETE FROM {schema}.result
+             WHERE key IN (SELECT key FROM {schema}.result WHERE expires_at <= now()
+                            ORDER BY expires_at LIMIT %s FOR UPDATE SKIP LOCKED)
+               AND expires_at <= now()
+        """,
+        # Rate limits: an expired row counts as absent (value 0).
+        "rate_limit_add": """
+            INSERT INTO {schema}.rate_limit AS r (key, value, expires_at)
+            VALUES (%(key)s, %(value)s, now() + %(ttl)s * interval '1 millisecond')
+            ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, expires_at = EXCLUDED.expires_at
+             WHERE r.expires_at <= now()
+            RETURNING value
+        """,
+        # incr/decr when delta alone is within [low, high] (so inserting it is right).
+        "rate_limit_upsert": """
+            INSERT INTO {schema}.rate_limit AS r (key, value, expires_at)
+            VALUES (%(key)s, %(delta)s, now() + %(ttl)s * interval '1 millisecond')
+            ON CONFLICT (key) DO UPDATE
+               SET value = (CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END) + EXCLUDED.value,
+                   expires_at = EXCLUDED.expires_at
+             WHERE (CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END) + EXCLUDED.value
+                   BETWEEN %(low)s AND %(high)s
+            RETURNING value
+        """,
+        # incr/decr when delta alone is out of bounds: only a live row can take it.
+        "rate_limit_update": """
+            UPDATE {schema}.rate_limit AS r
+               SET value = r.value + %(delta)s, expires_at = now() + %(ttl)s * interval '1 millisecond'
+             WHERE r.key = %(key)s AND r.expires_at > now() AND r.value + %(delta)s BETWEEN %(low)s AND %(high)s
+            RETURNING value
+        """,
+        # incr_and_sum: make every key a row (an expired placeholder if new),
+        # then lock them all in one order ("C" collation, as Python sorts str).
+        "rate_limit_placeholders": """
+            INSERT INTO {schema}.rate_limit (key, value, expires_at)
+            SELECT k, 0, '-infinity' FROM unnest(%s::text[]) AS k ORDER BY k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING
+        """,
+        "rate_limit_lock": """
+            SELECT key, CASE WHEN expires_at > now() THEN value ELSE 0 END
+              FROM {schema}.rate_limit WHERE key = ANY(%s::text[])
+             ORDER BY key COLLATE "C" FOR UPDATE
+        """,
+        "rate_limit_set": """
+            UPDATE {schema}.rate_limit SET value = %s, expires_at = now() + %s * interval '1 millisecond'
+             WHERE key = %s
+        """,
+        "rate_limit_notify": f"""
+            WITH event AS (
+                INSERT INTO {{schema}}.rate_limit AS r (key, value, expires_at)
+                VALUES (%(key)s, 1, now() + %(ttl)s * interval '1 millisecond')
+                ON CONFLICT (key) DO UPDATE
+                   SET value = (CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END) + 1,
+                       expires_at = EXCLUDED.expires_at
+                RETURNING key
+            )
+            SELECT {_WAKE} FROM event
+        """,
+        "rate_limit_event": """
+            SELECT 1 FROM {schema}.rate_limit WHERE key = %s AND value > 0 AND expires_at > now()
+        """,
+        "rate_limit_purge": """
+            DELETE FROM {schema}.rate_limit
+             WHERE key IN (SELECT key FROM {schema}.rate_limit WHERE expires_at <= now()
+                            LIMIT %s FOR UPDATE SKIP LOCKED)
+               AND expires_at <= now()
+        """,
+    }
+)
+
+
+def results_channel(schema: str) -> str:
+    """The NOTIFY channel of result writes (payload: the result key)."""
+    return f"{check_schema(schema)}_results"
+
+
+def rate_limits_channel(schema: str) -> str:
+    """The NOTIFY channel of rate-limiter events (payload: the event key)."""
+    return f"{check_schema(schema)}_rate_limits"

@@ -1,0 +1,200 @@
+"""Dramatiq rate limiters, barriers and group callbacks on PostgreSQL.
+
+``PostgresBackend`` is a ``RateLimiterBackend``, so Dramatiq's
+``ConcurrentRateLimiter``, ``WindowRateLimiter``, ``BucketRateLimiter``,
+``Barrier`` and the ``GroupCallbacks`` middleware work with no Redis::
+
+    from dramatiq.middleware import GroupCallbacks
+    from dramatiq.rate_limits import ConcurrentRateLimiter
+    from dramatiq_pg_fenced import rate_limits
+
+    backend = rate_limits.PostgresBackend(broker=broker)  # or PostgresBackend(url)
+    broker.add_middleware(GroupCallbacks(backend))
+    mutex = ConcurrentRateLimiter(backend, "reports", limit=1)
+
+Keys live in ``{schema}.rate_limit`` with an expiry (``ttl``, in ms); an
+expired key counts as absent, as in Redis.  Every operation is one atomic
+statement (``INSERT ... ON CONFLICT`` or a conditional ``UPDATE``), except
+``incr_and_sum``, which locks all the keys it sums in one order inside one
+transaction.  ``wait_notify`` records an event that lives for its ``ttl``
+(so a late ``wait`` still sees it, like Redis's list) and NOTIFYs the key;
+``wait`` listens, with a polling fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from threading import Event
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from dramatiq.rate_limits import RateLimiterBackend
+from psycopg_pool import ConnectionPool
+
+from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, PURGE_BATCH, Connections
+from .sql import check_schema, rate_limits_channel, statements
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+_BIGINT_MIN, _BIGINT_MAX = -(2**63), 2**63 - 1
+
+
+class _Changed(Exception):
+    """A key vanished between creating and locking it (purged): start the transaction again."""
+
+
+class PostgresBackend(RateLimiterBackend):
+    """A Dramatiq rate-limiter backend on PostgreSQL.
+
+    Parameters:
+      url: libpq connection string or URL (``None``: libpq's defaults).
+      pool: a ``psycopg_pool.ConnectionPool`` of autocommit connections you own.
+      schema: where the tables live (migration 002); defaults to the
+        broker's, else ``"dramatiq"``.
+      broker: a :class:`PostgresBroker` whose pool to share (when in its schema).
+      listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
+        ``wait`` then polls.  Defaults to the broker's setting.
+      poll_interval: seconds between re-reads in ``wait``.
+      purge_interval: seconds between purges of expired keys, per process.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        pool: ConnectionPool | None = None,
+        schema: str | None = None,
+        broker: PostgresBroker | None = None,
+        listen: bool | None = None,
+        poll_interval: float | None = None,
+        purge_interval: float = DEFAULT_PURGE_INTERVAL,
+        connect_timeout: int = 5,
+        pool_max_size: int = 4,
+    ) -> None:
+        if broker is not None:
+            schema = broker.schema if schema is None else schema
+            listen = broker.listen if listen is None else listen
+            poll_interval = broker.poll_interval if poll_interval is None else poll_interval
+        self.schema = check_schema(schema or DEFAULT_SCHEMA)
+        self.listen = True if listen is None else listen
+        self.poll_interval = float(poll_interval or DEFAULT_POLL_INTERVAL)
+        self.channel = rate_limits_channel(self.schema)
+        self._sql = statements(self.schema)
+        shared = broker if broker is not None and broker.schema == self.schema else None
+        if broker is not None and shared is None and url is None and pool is None:
+            url = broker.url  # same database, another schema: a pool of our own
+        self._db = Connections(
+            url=url,
+            pool=pool,
+            broker=shared,
+            schema=self.schema,
+            channel=self.channel,
+            listen=self.listen,
+            connect_timeout=connect_timeout,
+            pool_max_size=pool_max_size,
+            purge_interval=purge_interval,
+        )
+
+    def _one(self, statement: bytes, params: Any) -> Any:
+        self._db.maybe_purge(self.purge)
+        with self._db.connection() as conn:
+            return conn.execute(statement, params).fetchone()
+
+    def add(self, key: str, value: int, ttl: int) -> bool:
+        """Set *key* to *value* for *ttl* ms unless it exists (and has not expired)."""
+        return self._one(self._sql.rate_limit_add, {"key": key, "value": value, "ttl": ttl}) is not None
+
+    def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
+        """Add *amount* unless the value would exceed *maximum*; the key then lives *ttl* ms."""
+        return self._change(key, amount, _BIGINT_MIN, maximum, ttl)
+
+    def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
+        """Subtract *amount* unless the value would fall below *minimum*; the key then lives *ttl* ms."""
+        return self._change(key, -amount, minimum, _BIGINT_MAX, ttl)
+
+    def _change(self, key: str, delta: int, low: int, high: int, ttl: int) -> bool:
+        # An absent key counts as 0: inserting *delta* is right only if delta
+        # itself is in bounds; otherwise only an existing, live value can take it.
+        statement = self._sql.rate_limit_upsert if low <= delta <= high else self._sql.rate_limit_update
+        params = {"key": key, "delta": delta, "low": low, "high": high, "ttl": ttl}
+        return self._one(statement, params) is not None
+
+    def incr_and_sum(self, key: str, keys: Callable[[], Iterable[str]], amount: int, maximum: int, ttl: int) -> bool:
+        """Add *amount* to *key* unless it, or the sum over ``keys()`` plus *amount*, would exceed *maximum*.
+
+        All the keys are locked (created as expired placeholders if new) in
+        one order, so concurrent callers summing overlapping windows serialise
+        and never both see room for the last slot.
+        """
+        summed = list(keys())
+        wanted = sorted({key, *summed})
+        self._db.maybe_purge(self.purge)
+        while True:
+            try:
+                with self._db.connection() as conn, conn.transaction():
+                    return self._incr_and_sum(conn, key, summed, wanted, amount, maximum, ttl)
+            except (_Changed, psycopg.errors.DeadlockDetected):
+                continue
+
+    def _incr_and_sum(
+        self,
+        conn: psycopg.Connection,
+        key: str,
+        summed: list[str],
+        wanted: list[str],
+        amount: int,
+        maximum: int,
+        ttl: int,
+    ) -> bool:
+        """One try, inside the caller's transaction (which holds the locks until it commits)."""
+        conn.execute(self._sql.rate_limit_placeholders, [wanted])
+        values: dict[str, int] = dict(conn.execute(self._sql.rate_limit_lock, [wanted]).fetchall())
+        if len(values) != len(wanted):
+            raise _Changed
+        value = values[key] + amount
+        if value > maximum or amount + sum(values[k] for k in summed) > maximum:
+            return False
+        conn.execute(self._sql.rate_limit_set, [value, ttl, key])
+        return True
+
+    def wait(self, key: str, timeout: int | None) -> bool:
+        """Wait up to *timeout* ms (``None``: forever) for an event on *key*; ``True`` if there was one.
+
+        An event notified earlier and not yet expired counts (as with Redis).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        listener = self._db.listener()
+        with listener.waiting(key) if listener is not None else nullcontext(Event()) as event:
+            while True:
+                event.clear()
+                if self._one(self._sql.rate_limit_event, [key]) is not None:
+                    return True
+                remaining = self.poll_interval if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                event.wait(min(remaining, self.poll_interval))
+
+    def wait_notify(self, key: str, ttl: int) -> None:
+        """Record an event on *key* for *ttl* ms and wake every ``wait`` on it, in any process."""
+        self._one(self._sql.rate_limit_notify, {"key": key, "ttl": ttl, "channel": self.channel})
+
+    def purge(self) -> int:
+        """Delete expired keys in bounded batches; returns how many."""
+        total = 0
+        for _ in range(10):
+            with self._db.connection() as conn:
+                deleted = conn.execute(self._sql.rate_limit_purge, [PURGE_BATCH]).rowcount
+            total += max(deleted, 0)
+            if deleted < PURGE_BATCH:
+                break
+        return total
+
+    def close(self) -> None:
+        """Stop the listener and close the pool this backend made (not the broker's)."""
+        self._db.close()
+
+
+__all__ = ["PostgresBackend"]
