@@ -138,8 +138,7 @@ _TEMPLATES = {
              WHERE message_id = %s FOR UPDATE
         )
         UPDATE {schema}.message AS m
-           SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL,
-               last_error = 'cancelled'
+           SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt
