@@ -170,7 +170,7 @@ class PostgresBroker(Broker):
 
     def _doorbell_event(self, queue_name: str) -> threading.Event | None:
         doorbell = self._state().doorbell
-        return doorbell.event(queue_name) if doorbell is not None else None
+        return doorbell.subscribe(queue_name) if doorbell is not None else None
 
     def _describe(self, error: BaseException) -> str:
         """A connection error, naming the server but never the password."""

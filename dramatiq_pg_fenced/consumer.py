@@ -1,7 +1,7 @@
 """Consumer: claims due rows in batches and hands them to Dramatiq's worker.
 
 A claim is one statement (``FOR UPDATE SKIP LOCKED`` in a CTE) that takes up
-to ``prefetch - outstanding`` rows, bumps their attempt number and leases
+to the room left under the prefetch (``Leases.capacity``) in rows, bumps their attempt number and leases
 them to this process.  The attempt goes into ``message.options["attempt"]``
 and every later write for the delivery is fenced on it.
 """
@@ -61,7 +61,7 @@ class PostgresConsumer(Consumer):
                 return self.buffer.popleft()
             if self.doorbell is not None:
                 self.doorbell.clear()
-            full = self.broker._leases.outstanding(self.queue_name) >= self.prefetch
+            full = self.broker._leases.capacity(self.queue_name, self.prefetch) <= 0
             if not full:
                 self._claim()
                 if self.buffer:
@@ -70,8 +70,8 @@ class PostgresConsumer(Consumer):
             if remaining <= 0:
                 return None
             if full:
-                # Every slot is taken: a written outcome frees one, not the doorbell.
-                self.broker._leases.wait_below(self.queue_name, self.prefetch, remaining)
+                # Every slot is taken: a settled message frees one, not the doorbell.
+                self.broker._leases.wait_for_capacity(self.queue_name, self.prefetch, remaining)
                 continue
             wait = min(remaining, self.broker.poll_interval)
             if self.doorbell is not None:
@@ -81,7 +81,7 @@ class PostgresConsumer(Consumer):
 
     def _claim(self) -> None:
         broker = self.broker
-        limit = self.prefetch - broker._leases.outstanding(self.queue_name)
+        limit = broker._leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
         try:
@@ -159,6 +159,9 @@ class PostgresConsumer(Consumer):
             raise
 
     def close(self) -> None:
+        doorbell = self.broker._state().doorbell
+        if doorbell is not None and self.doorbell is not None:
+            doorbell.unsubscribe(self.queue_name, self.doorbell)
         if self.buffer:
             count = len(self.buffer)
             try:

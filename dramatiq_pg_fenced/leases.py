@@ -31,6 +31,7 @@ class Leases:
         self._lost: set[str] = set()
         self._finishing: set[str] = set()  # outcome handed to the writer, not yet written
         self._per_queue: Counter[str] = Counter()
+        self._settling: Counter[str] = Counter()  # per queue: held, with the outcome on its way
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_purge = 0.0
@@ -40,6 +41,9 @@ class Leases:
         with self._lock:
             if message_id not in self._held:
                 self._per_queue[queue_name] += 1
+            elif message_id in self._finishing:  # redelivered here while an older outcome is pending
+                self._finishing.discard(message_id)
+                self._settling[self._held[message_id][0]] -= 1
             self._held[message_id] = (queue_name, attempt)
         self.start()
 
@@ -50,23 +54,43 @@ class Leases:
                 del self._held[message_id]
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
-                self._finishing.discard(message_id)
+                if message_id in self._finishing:
+                    self._finishing.discard(message_id)
+                    self._settling[held[0]] -= 1
                 self._freed.notify_all()
 
     def finishing(self, message_id: str) -> None:
         """Its outcome is on the way: a missing row is then no loss worth a warning."""
         with self._lock:
-            if message_id in self._held:
+            held = self._held.get(message_id)
+            if held is not None and message_id not in self._finishing:
                 self._finishing.add(message_id)
+                self._settling[held[0]] += 1
+                self._freed.notify_all()
 
     def outstanding(self, queue_name: str) -> int:
         with self._lock:
             return self._per_queue[queue_name]
 
-    def wait_below(self, queue_name: str, limit: int, timeout: float) -> bool:
-        """Wait until fewer than *limit* messages of the queue are held (a consumer at its prefetch)."""
+    def capacity(self, queue_name: str, prefetch: int) -> int:
+        """How many more messages of the queue this process may claim.
+
+        Up to *prefetch* unsettled ones, as Dramatiq asks; a message whose
+        outcome is on its way to the database no longer counts, so the next
+        claim overlaps that write instead of waiting for it (held in all stays
+        under twice the prefetch).
+        """
+        with self._lock:
+            return self._capacity(queue_name, prefetch)
+
+    def _capacity(self, queue_name: str, prefetch: int) -> int:
+        held = self._per_queue[queue_name]
+        return min(prefetch - (held - self._settling[queue_name]), 2 * prefetch - held)
+
+    def wait_for_capacity(self, queue_name: str, prefetch: int, timeout: float) -> bool:
+        """Wait until :meth:`capacity` is positive (a consumer at its prefetch)."""
         with self._freed:
-            return self._freed.wait_for(lambda: self._per_queue[queue_name] < limit, timeout)
+            return self._freed.wait_for(lambda: self._capacity(queue_name, prefetch) > 0, timeout)
 
     def is_lost(self, message_id: str) -> bool:
         with self._lock:

@@ -71,11 +71,11 @@ from dramatiq.middleware import Middleware
 from dramatiq.results import ResultBackend, ResultMissing, ResultTimeout
 from dramatiq.results.backend import DEFAULT_TIMEOUT, Missing
 from dramatiq.results.result import wrap_exception, wrap_result
-from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from . import migrations
 from .consumer import PostgresMessageProxy
+from .doorbell import Doorbell
 from .outcomes import Outcome, ResultWrite, describe
 from .sql import check_schema, results_channel, statements
 
@@ -89,73 +89,6 @@ DEFAULT_PURGE_INTERVAL = 60.0
 PURGE_BATCH = 1000
 
 logger = logging.getLogger(__name__)
-
-
-class Listener:
-    """One LISTEN connection per process and channel; wakes the threads waiting on a key.
-
-    Payloads are keys; ``"*"`` wakes every waiter.  Waiters re-read the
-    database after each wake-up and at least every poll interval, and all of
-    them are woken when the connection is (re)established, so a notification
-    sent while nobody listened costs one read, never a lost wake-up.
-    """
-
-    def __init__(self, conninfo: str, channel: str, *, connect_timeout: int = 5) -> None:
-        self.conninfo = conninfo
-        self.channel = channel
-        self.connect_timeout = connect_timeout
-        self._waiters: dict[str, set[threading.Event]] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def waiting(self, key: str) -> Iterator[threading.Event]:
-        """An event set when *key* is notified (or may have been)."""
-        event = threading.Event()
-        with self._lock:
-            self._waiters.setdefault(key, set()).add(event)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"dramatiq-pg-{self.channel}", daemon=True)
-                self._thread.start()
-        try:
-            yield event
-        finally:
-            with self._lock:
-                waiters = self._waiters.get(key)
-                if waiters is not None:
-                    waiters.discard(event)
-                    if not waiters:
-                        del self._waiters[key]
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _wake(self, key: str | None = None) -> None:
-        with self._lock:
-            if key is None or key == "*":
-                events = [e for waiters in self._waiters.values() for e in waiters]
-            else:
-                events = list(self._waiters.get(key, ()))
-        for event in events:
-            event.set()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stopped.is_set():
-            try:
-                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=self.connect_timeout) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-                    backoff = 0.1
-                    self._wake()  # whatever was written while we were not listening is found by one read
-                    while not self._stopped.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            self._wake(note.payload)
-            except psycopg.Error as e:
-                logger.warning("LISTEN %s connection lost (%s); waiters poll until it is back.", self.channel, e)
-                self._wake()
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
 
 
 class Connections:
@@ -191,7 +124,7 @@ class Connections:
         self._lock = threading.Lock()
         self._pid = -1
         self._pool: ConnectionPool | None = None
-        self._listener: Listener | None = None
+        self._listener: Doorbell | None = None
         self._checked = False
         self._next_purge = 0.0
 
@@ -252,13 +185,13 @@ class Connections:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConnectionClosed(f"cannot reach PostgreSQL: {text}") from None
 
-    def listener(self) -> Listener | None:
+    def listener(self) -> Doorbell | None:
         if not self.listen:
             return None
         self._this_process()
         with self._lock:
             if self._listener is None:
-                self._listener = Listener(self.conninfo, self.channel, connect_timeout=self.connect_timeout)
+                self._listener = Doorbell(self.conninfo, self.channel, connect_timeout=self.connect_timeout)
             return self._listener
 
     def maybe_purge(self, purge: Callable[[], int]) -> None:

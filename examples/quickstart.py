@@ -64,10 +64,11 @@ def run(url: str) -> int:
         print(f"pipeline add(1, 2) | double -> {piped.get_result(block=True, timeout=30_000)}")
         print(f"group of add -> {list(jobs.get_results(block=True, timeout=30_000))}")
         print(f"worker processes that ran 8 whoami() -> {sorted(set(pids.get_results(block=True, timeout=30_000)))}")
-        print("stats:", tasks.broker.stats()["queues"])
+        print(f"messages left in the queue table: {tasks.broker.stats()['queues'] or 'none'}")
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=60)
+        tasks.backend.close()
         tasks.broker.close()
     print("done")
     return 0

@@ -8,14 +8,11 @@ import time
 
 import dramatiq
 from dramatiq.middleware import CurrentMessage
-from dramatiq.results import Results
 
-from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced.results import setup
 
-url = os.environ["DATABASE_URL"]
-broker = PostgresBroker(url)
-broker.add_middleware(Results(backend=PostgresBackend(url)))
+# One URL: the broker, the results backend and group callbacks, all on PostgreSQL.
+broker, backend = setup(os.environ["DATABASE_URL"])
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
 
