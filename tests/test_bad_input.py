@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import traceback
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import dramatiq
 import pytest
 from dramatiq.errors import BrokerConnectionError, QueueNotFound
-from psycopg import sql
+from helpers import Factory, query
 
 from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
-
-Factory = Callable[..., PostgresBroker]
-
-
-def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
-    stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
-    with broker._pool_connection() as conn:
-        cur = conn.execute(stmt, params)
-        return cur.fetchall() if cur.description else []
 
 
 def count(broker: PostgresBroker) -> int:

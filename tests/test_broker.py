@@ -7,10 +7,8 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
@@ -18,44 +16,12 @@ import psycopg
 import pytest
 from dramatiq.errors import QueueJoinTimeout
 from dramatiq.middleware import CurrentMessage
+from helpers import Factory, query, running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import CancelOutcome, DeadLetterError, PostgresBroker, SchemaError, migrations
 
-Factory = Callable[..., PostgresBroker]
-
-
 # -- helpers ------------------------------------------------------------------
-@contextmanager
-def running_worker(broker: PostgresBroker, threads: int = 4, prefetch: int | None = None) -> Iterator[dramatiq.Worker]:
-    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=threads)
-    if prefetch is not None:
-        worker.queue_prefetch = prefetch
-    worker.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll until *condition* is truthy; fail the test after *timeout* seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
-    """Run *text* with ``{schema}`` bound to the broker's schema."""
-    stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
-    with broker._pool_connection() as conn:
-        cur = conn.execute(stmt, params)
-        return cur.fetchall() if cur.description else []
 
 
 def rows(broker: PostgresBroker) -> list[tuple]:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
@@ -15,6 +13,7 @@ import pytest
 from dramatiq.message import Message
 from dramatiq.middleware import GroupCallbacks
 from dramatiq.results import ResultFailure, ResultMissing, Results
+from helpers import running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker, rate_limits
@@ -47,27 +46,6 @@ def make_app(dramatiq_pg_url: str) -> Iterator[App]:
 @pytest.fixture
 def app(make_app: App) -> tuple[PostgresBroker, PostgresBackend]:
     return make_app()
-
-
-@contextmanager
-def running_worker(broker: PostgresBroker, threads: int = 4) -> Iterator[dramatiq.Worker]:
-    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=threads)
-    worker.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 TIMEOUT = 30_000  # ms, for blocking reads: generous, this machine is shared

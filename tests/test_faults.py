@@ -21,24 +21,13 @@ from typing import Any, NamedTuple
 import psycopg
 import pytest
 from dramatiq.message import Message
+from helpers import wait_for
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dramatiq_pg_fenced import PostgresBroker
 
 APP = "tests.apps.fault_app"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll until *predicate* returns something truthy; fail after *timeout* seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Entry(NamedTuple):

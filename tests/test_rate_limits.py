@@ -6,31 +6,19 @@ import multiprocessing
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from dramatiq.errors import RateLimitExceeded
 from dramatiq.rate_limits import Barrier, BucketRateLimiter, ConcurrentRateLimiter, WindowRateLimiter
+from helpers import Factory, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.rate_limits import PostgresBackend
 
-Factory = Callable[..., PostgresBroker]
 SPAWN = multiprocessing.get_context("spawn")  # children start clean: no threads or pools inherited
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -284,8 +272,7 @@ def test_blocking_barrier_wakes_every_party(dramatiq_pg_url: str, schema: str) -
         assert Barrier(backends[0], key).create(parties)
         got: list[bool] = []
         waiters = [
-            threading.Thread(target=lambda b=b: got.append(Barrier(b, key).wait(timeout=60_000)))
-            for b in backends[:-1]
+            threading.Thread(target=lambda b=b: got.append(Barrier(b, key).wait(timeout=60_000))) for b in backends[:-1]
         ]
         for thread in waiters:
             thread.start()

@@ -5,50 +5,20 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
 import pytest
 from dramatiq.message import Message
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
-from psycopg import sql
+from helpers import Factory, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.consumer import PostgresMessageProxy
 from dramatiq_pg_fenced.results import PostgresBackend
 
-Factory = Callable[..., PostgresBroker]
-
-
 # -- helpers ------------------------------------------------------------------
-@contextmanager
-def running_worker(broker: PostgresBroker, threads: int = 4) -> Iterator[dramatiq.Worker]:
-    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=threads)
-    worker.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
-    stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
-    with broker._pool_connection() as conn:
-        cur = conn.execute(stmt, params)
-        return cur.fetchall() if cur.description else []
 
 
 def missing(backend: PostgresBackend, message: Any) -> bool:
