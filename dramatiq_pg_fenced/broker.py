@@ -50,29 +50,38 @@ class CancelOutcome(str, Enum):
     NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
 
 
+def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str) -> ConnectionPool:
+    """An opened pool of autocommit connections, for this process only (not fork-safe)."""
+    pool = ConnectionPool(
+        url,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+        timeout=connect_timeout * 2,
+        open=False,
+        name=f"dramatiq-pg-{name}-{os.getpid()}",
+    )
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # we report connection failures ourselves
+    pool.open(wait=False)
+    return pool
+
+
 class _ProcessState:
     """Everything that must not cross a fork: pool, threads, listening connection."""
 
     def __init__(self, broker: PostgresBroker) -> None:
         self.pid = os.getpid()
         self.owns_pool = broker._given_pool is None
-        if broker._given_pool is not None:
-            self.pool = broker._given_pool
-        else:
-            self.pool = ConnectionPool(
-                broker.url,
-                min_size=1,
-                max_size=broker.pool_max_size,
-                kwargs={"autocommit": True, "connect_timeout": broker.connect_timeout},
-                timeout=broker.connect_timeout * 2,
-                open=False,
-                name=f"dramatiq-pg-{os.getpid()}",
-            )
-            logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-            self.pool.open(wait=False)
+        self.pool = broker._given_pool or new_pool(
+            broker.url, max_size=broker.pool_max_size, connect_timeout=broker.connect_timeout, name="broker"
+        )
         self.schema_checked = False
+        conninfo = broker.url
+        if not conninfo and broker._given_pool is not None:  # LISTEN needs a connection of its own, like the pool's
+            given = broker._given_pool.conninfo
+            conninfo = given() if callable(given) else given
         self.doorbell = (
-            Doorbell(broker.url, broker.channel, connect_timeout=broker.connect_timeout) if broker.listen else None
+            Doorbell(conninfo, broker.channel, connect_timeout=broker.connect_timeout) if broker.listen else None
         )
         self.leases = Leases(broker)
         self.writer = OutcomeWriter(broker)

@@ -33,7 +33,7 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, PURGE_BATCH, Connections
+from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, Connections
 from .sql import check_schema, rate_limits_channel, statements
 
 if TYPE_CHECKING:
@@ -183,14 +183,7 @@ class PostgresBackend(RateLimiterBackend):
 
     def purge(self) -> int:
         """Delete expired keys in bounded batches; returns how many."""
-        total = 0
-        for _ in range(10):
-            with self._db.connection() as conn:
-                deleted = conn.execute(self._sql.rate_limit_purge, [PURGE_BATCH]).rowcount
-            total += max(deleted, 0)
-            if deleted < PURGE_BATCH:
-                break
-        return total
+        return self._db.purge(self._sql.rate_limit_purge)
 
     def close(self) -> None:
         """Stop the listener and close the pool this backend made (not the broker's)."""

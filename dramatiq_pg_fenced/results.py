@@ -74,6 +74,7 @@ from dramatiq.results.result import wrap_exception, wrap_result
 from psycopg_pool import ConnectionPool
 
 from . import migrations
+from .broker import new_pool
 from .consumer import PostgresMessageProxy
 from .doorbell import Doorbell
 from .outcomes import Outcome, ResultWrite, describe
@@ -154,17 +155,9 @@ class Connections:
             return self.given_pool
         with self._lock:
             if self._pool is None:
-                self._pool = ConnectionPool(
-                    self.url or "",
-                    min_size=1,
-                    max_size=self.pool_max_size,
-                    kwargs={"autocommit": True, "connect_timeout": self.connect_timeout},
-                    timeout=self.connect_timeout * 2,
-                    open=False,
-                    name=f"dramatiq-pg-{self.channel}-{os.getpid()}",
+                self._pool = new_pool(
+                    self.url or "", max_size=self.pool_max_size, connect_timeout=self.connect_timeout, name=self.channel
                 )
-                logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-                self._pool.open(wait=False)
             return self._pool
 
     @contextmanager
@@ -193,6 +186,17 @@ class Connections:
             if self._listener is None:
                 self._listener = Doorbell(self.conninfo, self.channel, connect_timeout=self.connect_timeout)
             return self._listener
+
+    def purge(self, statement: bytes) -> int:
+        """Run a bounded-batch delete *statement* until it finds little left; returns rows deleted."""
+        total = 0
+        for _ in range(10):
+            with self.connection() as conn:
+                deleted = conn.execute(statement, [PURGE_BATCH]).rowcount
+            total += max(deleted, 0)
+            if deleted < PURGE_BATCH:
+                break
+        return total
 
     def maybe_purge(self, purge: Callable[[], int]) -> None:
         """Run *purge* in the background, at most once per ``purge_interval`` per process."""
@@ -428,14 +432,7 @@ class PostgresBackend(ResultBackend):
     # -- maintenance ----------------------------------------------------------------
     def purge(self) -> int:
         """Delete expired results, oldest first, in bounded batches; returns how many."""
-        total = 0
-        for _ in range(10):
-            with self._db.connection() as conn:
-                deleted = conn.execute(self._sql.result_purge, [PURGE_BATCH]).rowcount
-            total += max(deleted, 0)
-            if deleted < PURGE_BATCH:
-                break
-        return total
+        return self._db.purge(self._sql.result_purge)
 
     def close(self) -> None:
         """Stop the listener and close the pool this backend made (not the broker's)."""
