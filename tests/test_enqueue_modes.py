@@ -1,0 +1,418 @@
+"""Enqueue modes: enqueue_many, batch(), transaction() (the outbox) and relaxed durability.
+
+Correctness only: what gets stored, when it becomes visible, which NOTIFYs
+are sent, and that no setting leaks.  Speed is the benchmark's business.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq import group
+from dramatiq.middleware import Middleware
+from psycopg import sql
+
+from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
+
+Factory = Callable[..., PostgresBroker]
+
+
+# -- helpers ------------------------------------------------------------------
+def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
+    stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
+    with broker._pool_connection() as conn:
+        cur = conn.execute(stmt, params)
+        return cur.fetchall() if cur.description else []
+
+
+def stored(broker: PostgresBroker) -> list[str]:
+    """Ids of the stored messages, in insertion order."""
+    return [r[0] for r in query(broker, "SELECT message_id::text FROM {schema}.message ORDER BY seq")]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextmanager
+def running_worker(broker: PostgresBroker) -> Iterator[dramatiq.Worker]:
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+class Listener:
+    """A LISTEN connection on the broker's doorbell channel."""
+
+    def __init__(self, url: str, channel: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+    def drain(self, quiet: float = 0.5, timeout: float = 10.0) -> list[str]:
+        """Every payload received until *quiet* seconds pass without one."""
+        got: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            batch = [n.payload for n in self.conn.notifies(timeout=quiet)]
+            if not batch:
+                break
+            got.extend(batch)
+        return got
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture
+def listener(dramatiq_pg_url: str) -> Iterator[Callable[[PostgresBroker], Listener]]:
+    made: list[Listener] = []
+
+    def listen(broker: PostgresBroker) -> Listener:
+        made.append(Listener(dramatiq_pg_url, broker.channel))
+        return made[-1]
+
+    yield listen
+    for listener in made:
+        listener.close()
+
+
+class Recorder(Middleware):
+    """Counts the enqueue hooks, to check that bulk paths still run middleware."""
+
+    def __init__(self) -> None:
+        self.before: list[str] = []
+        self.after: list[str] = []
+
+    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+        self.before.append(message.message_id)
+
+    def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+        self.after.append(message.message_id)
+
+
+@pytest.fixture
+def broker(dramatiq_pg_broker_factory: Factory) -> PostgresBroker:
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1)
+    dramatiq.set_broker(broker)
+    return broker
+
+
+# -- enqueue_many -------------------------------------------------------------
+def test_enqueue_many_stores_all_in_order_and_runs_the_hooks(broker: PostgresBroker) -> None:
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    messages = [work.message(n) for n in range(200)]
+    assert broker.enqueue_many(messages) == messages
+    ids = [m.message_id for m in messages]
+    assert stored(broker) == ids
+    assert recorder.before == ids and recorder.after == ids
+    assert broker.enqueue_many([]) == []
+
+
+def test_enqueue_many_is_all_or_nothing(dramatiq_pg_broker_factory: Factory) -> None:
+    broker = dramatiq_pg_broker_factory(max_payload_bytes=2000)
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+
+    @dramatiq.actor(broker=broker)
+    def work(data: str) -> None:
+        pass
+
+    messages = [work.message("x"), work.message("y" * 5000), work.message("z")]
+    with pytest.raises(PayloadTooLarge):
+        broker.enqueue_many(messages)
+    assert stored(broker) == []
+    assert recorder.after == []
+
+
+def test_enqueue_many_again_is_a_no_op(broker: PostgresBroker) -> None:
+    """Inserts are idempotent by message id (what makes a retry after a dropped connection safe)."""
+
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    messages = [work.message(n) for n in range(5)]
+    broker.enqueue_many(messages)
+    broker.enqueue_many(messages + [work.message(5)])
+    assert len(stored(broker)) == 6
+
+
+def test_enqueue_many_with_delay_waits_in_the_table(broker: PostgresBroker) -> None:
+    @dramatiq.actor
+    def later(n: int) -> None:
+        pass
+
+    broker.enqueue_many([later.message(n) for n in range(3)], delay=60_000)
+    [(early,)] = query(
+        broker,
+        "SELECT count(*) FROM {schema}.message WHERE available_at > now() + interval '50 seconds'",
+    )
+    assert early == 3
+
+
+def test_enqueue_many_rings_once_per_queue_with_due_messages(
+    broker: PostgresBroker, listener: Callable[[PostgresBroker], Listener]
+) -> None:
+    @dramatiq.actor(queue_name="alpha")
+    def a(n: int) -> None:
+        pass
+
+    @dramatiq.actor(queue_name="beta")
+    def b(n: int) -> None:
+        pass
+
+    @dramatiq.actor(queue_name="gamma")
+    def c(n: int) -> None:
+        pass
+
+    bell = listener(broker)
+    broker.enqueue_many([a.message(n) for n in range(20)] + [b.message(n) for n in range(20)])
+    assert sorted(bell.drain()) == ["alpha", "beta"]  # coalesced: one NOTIFY per queue, not per row
+
+    broker.enqueue_many([c.message(1)], delay=60_000)
+    assert bell.drain() == []  # nothing due yet: the poll finds it later
+
+    c.send(2)
+    assert bell.drain() == ["gamma"]
+
+
+def test_no_notify_without_listen(
+    dramatiq_pg_broker_factory: Factory, listener: Callable[[PostgresBroker], Listener]
+) -> None:
+    broker = dramatiq_pg_broker_factory(listen=False, poll_interval=0.1)
+
+    @dramatiq.actor(broker=broker)
+    def work(n: int) -> None:
+        pass
+
+    bell = listener(broker)
+    broker.enqueue_many([work.message(n) for n in range(3)])
+    work.send(4)
+    assert bell.drain() == []
+    assert len(stored(broker)) == 4
+
+
+# -- batch() --------------------------------------------------------------------
+def test_batch_runs_a_group_in_one_insert(broker: PostgresBroker) -> None:
+    seen: list[int] = []
+
+    @dramatiq.actor
+    def member(n: int) -> None:
+        seen.append(n)
+
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+    with broker.batch():
+        group(member.message(n) for n in range(10)).run()
+        assert stored(broker) == []
+        assert len(recorder.before) == 10 and recorder.after == []  # after_enqueue waits for the write
+    assert len(stored(broker)) == 10
+    assert len(recorder.after) == 10
+    with running_worker(broker):
+        broker.join(member.queue_name, timeout=30_000)
+    assert sorted(seen) == list(range(10))
+
+
+def test_batch_is_per_thread(broker: PostgresBroker) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    with broker.batch():
+        work.send(1)
+        other = threading.Thread(target=work.send, args=(2,))
+        other.start()
+        other.join(30)
+        assert len(stored(broker)) == 1  # the other thread was not inside the block
+    assert len(stored(broker)) == 2
+
+
+def test_batch_that_raises_enqueues_nothing(broker: PostgresBroker) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+    with pytest.raises(KeyError), broker.batch():
+        work.send(1)
+        raise KeyError("abandon")
+    assert stored(broker) == []
+    assert recorder.after == []
+    work.send(2)  # the block is over: sends go straight in again
+    assert len(stored(broker)) == 1
+
+
+# -- transaction() (the outbox) ---------------------------------------------------
+@pytest.fixture
+def orders(broker: PostgresBroker) -> Iterator[str]:
+    """A business table next to the broker's tables."""
+    name = f"{broker.schema}_orders"
+    with broker._pool_connection() as conn:
+        conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, total int)").format(sql.Identifier(name)))
+    yield name
+    with broker._pool_connection() as conn:
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+def test_outbox_commit_makes_row_and_message_visible_together(
+    broker: PostgresBroker, orders: str, dramatiq_pg_url: str, listener: Callable[[PostgresBroker], Listener]
+) -> None:
+    found: list[Any] = []
+
+    @dramatiq.actor
+    def confirm(order_id: int) -> None:
+        with psycopg.connect(dramatiq_pg_url) as conn:
+            row = conn.execute(
+                sql.SQL("SELECT total FROM {} WHERE id = %s").format(sql.Identifier(orders)), [order_id]
+            ).fetchone()
+        found.append(row[0] if row else None)
+
+    bell = listener(broker)
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with conn.transaction(), broker.transaction(conn):
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (1, 42)").format(sql.Identifier(orders)))
+            confirm.send(1)
+            assert stored(broker) == []  # another connection sees nothing yet
+            assert bell.drain(quiet=0.2) == []  # and the doorbell rings only at commit
+        assert len(stored(broker)) == 1
+        assert bell.drain() == [confirm.queue_name]
+    with running_worker(broker):
+        broker.join(confirm.queue_name, timeout=30_000)
+    assert found == [42]  # the actor saw the business row: they committed together
+
+
+def test_outbox_rollback_drops_row_and_message(
+    broker: PostgresBroker, orders: str, dramatiq_pg_url: str, listener: Callable[[PostgresBroker], Listener]
+) -> None:
+    @dramatiq.actor
+    def confirm(order_id: int) -> None:
+        pass
+
+    bell = listener(broker)
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with pytest.raises(ZeroDivisionError), conn.transaction(), broker.transaction(conn):
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (2, 7)").format(sql.Identifier(orders)))
+            confirm.send(2)
+            confirm.send_with_options(args=(3,), delay=10_000)
+            1 / 0  # noqa: B018 (the business logic fails)
+        count = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(orders))).fetchone()
+        assert count is not None and count[0] == 0
+    assert stored(broker) == []
+    assert bell.drain() == []  # a rolled-back NOTIFY is never delivered
+
+
+def test_outbox_with_batch_writes_on_the_callers_connection(broker: PostgresBroker, dramatiq_pg_url: str) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with broker.transaction(conn), broker.batch():
+            for n in range(5):
+                work.send(n)
+        assert stored(broker) == []  # written in the caller's still open transaction
+        conn.rollback()
+    assert stored(broker) == []
+
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with broker.transaction(conn), broker.batch():
+            for n in range(5):
+                work.send(n)
+        conn.commit()
+    assert len(stored(broker)) == 5
+
+
+def test_transaction_block_ends_with_the_block(broker: PostgresBroker, dramatiq_pg_url: str) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with broker.transaction(conn):
+            work.send(1)
+        work.send(2)  # outside the block: the broker's own connection, committed at once
+        assert len(stored(broker)) == 1
+        conn.rollback()
+    assert len(stored(broker)) == 1
+
+
+# -- relaxed durability (synchronous_commit = off) ----------------------------------
+def test_relaxed_mode_delivers(dramatiq_pg_broker_factory: Factory) -> None:
+    broker = dramatiq_pg_broker_factory(synchronous_commit=False, poll_interval=0.1)
+    seen: list[int] = []
+
+    @dramatiq.actor(broker=broker)
+    def work(n: int) -> None:
+        seen.append(n)
+
+    for n in range(5):
+        work.send(n)
+    broker.enqueue_many([work.message(n) for n in range(5, 10)])
+    with broker.batch():
+        work.send(10)
+    with running_worker(broker):
+        broker.join(work.queue_name, timeout=30_000)
+    assert sorted(seen) == list(range(11))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_synchronous_commit_applies_to_the_enqueuing_transaction_only(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, durable: bool
+) -> None:
+    """Relaxed mode turns synchronous_commit off for the enqueue's own transaction, never longer."""
+    broker = dramatiq_pg_broker_factory(synchronous_commit=durable, pool_max_size=1)
+
+    @dramatiq.actor(broker=broker)
+    def work(n: int) -> None:
+        pass
+
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with broker.transaction(conn):
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+            work.send(1)
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on" if durable else "off",)
+        conn.commit()
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)  # gone with the transaction
+
+    work.send(2)  # on the broker's one pooled connection, in autocommit
+    with broker._pool_connection() as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)  # nothing leaked to claims and acks
+    assert len(stored(broker)) == 2
+
+
+def test_durable_mode_keeps_the_callers_own_setting(dramatiq_pg_broker: PostgresBroker, dramatiq_pg_url: str) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        conn.execute("SET LOCAL synchronous_commit = off")
+        with dramatiq_pg_broker.transaction(conn):
+            work.send(1)
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        conn.commit()
+    assert len(stored(dramatiq_pg_broker)) == 1
