@@ -12,7 +12,7 @@ from dramatiq.middleware import CurrentMessage
 from dramatiq_pg_fenced.results import setup
 
 # One URL: the broker, the results backend and group callbacks, all on PostgreSQL.
-broker, backend = setup(os.environ["DATABASE_URL"])
+broker, backend = setup(os.environ["DATABASE_URL"], schema=os.environ.get("DRAMATIQ_PG_SCHEMA", "dramatiq"))
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
 
@@ -33,12 +33,12 @@ def whoami():
     return os.getpid()
 
 
-@dramatiq.actor(store_results=True, max_retries=3, min_backoff=200, max_backoff=500)
+@dramatiq.actor(store_results=True, max_retries=3)
 def flaky(n):
-    """Fails on its first delivery, succeeds on the retry: shows options["retries"] and ["attempt"]."""
+    """Asks for a retry on its first delivery: shows options["retries"] and ["attempt"]."""
     options = CurrentMessage.get_current_message().options
     if options.get("retries", 0) == 0:
-        raise RuntimeError("first delivery fails on purpose")
+        raise dramatiq.Retry("first delivery asks for a retry", delay=300)
     return {"n": n, "retries": options["retries"], "attempt": options["attempt"]}
 
 
