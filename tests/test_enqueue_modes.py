@@ -416,3 +416,34 @@ def test_durable_mode_keeps_the_callers_own_setting(dramatiq_pg_broker: Postgres
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
         conn.commit()
     assert len(stored(dramatiq_pg_broker)) == 1
+
+
+# -- middleware hooks on the enqueue path ---------------------------------------------
+def test_enqueue_hooks_keep_dramatiqs_order_and_error_handling(broker: PostgresBroker) -> None:
+    """The broker skips inherited no-op hooks; what remains runs as Dramatiq runs it."""
+    calls: list[str] = []
+
+    class Tagged(Middleware):
+        def __init__(self, tag: str, fail_after: bool = False) -> None:
+            self.tag, self.fail_after = tag, fail_after
+
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            calls.append(f"before {self.tag}")
+
+        def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            calls.append(f"after {self.tag}")
+            if self.fail_after:
+                raise RuntimeError("a broken middleware")
+
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    broker.add_middleware(Tagged("a", fail_after=True))
+    work.send(1)  # a failing after-hook is logged, as Dramatiq does, and the send still counts
+    assert calls == ["before a", "after a"]
+    broker.add_middleware(Tagged("b"))  # middleware added later take part at once
+    calls.clear()
+    work.send(2)
+    assert calls == ["before a", "before b", "after b", "after a"]
+    assert len(stored(broker)) == 2
