@@ -5,7 +5,11 @@ written) is registered here with its attempt.  A keeper thread extends all of
 them in one fenced statement every ``lease_seconds / 3``; rows that do not
 come back are lost to this process (redelivered elsewhere or cancelled).  The
 same thread returns expired leases of any process to the queue, so a crashed
-worker's messages are claimable again within one rescue interval.
+worker's messages are claimable again within one rescue interval.  After
+every few thousand claims of this process it also vacuums the message table:
+claimed rows leave dead entries at the head of the claim index, and without
+this every claim of a long backlog steps over more of them until autovacuum
+comes by (once a minute with PostgreSQL's defaults).
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ import psycopg
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
+
+
+#: Claims by this process between two vacuums of the message table, and the
+#: shortest pause between them (seconds).
+VACUUM_AFTER_CLAIMS = 5000
+VACUUM_MIN_INTERVAL = 10.0
 
 
 class Leases:
@@ -35,12 +45,15 @@ class Leases:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_purge = 0.0
+        self._claims = 0  # since the last vacuum
+        self._last_vacuum = 0.0
 
     # -- registry (called from consumer and worker threads) ---------------
     def hold(self, queue_name: str, message_id: str, attempt: int) -> None:
         with self._lock:
             if message_id not in self._held:
                 self._per_queue[queue_name] += 1
+                self._claims += 1
             elif message_id in self._finishing:  # redelivered here while an older outcome is pending
                 self._finishing.discard(message_id)
                 self._settling[self._held[message_id][0]] -= 1
@@ -121,6 +134,11 @@ class Leases:
                     self.extend()
                     next_extend = time.monotonic() + extend_every
                 self.rescue()
+                if self._claims >= VACUUM_AFTER_CLAIMS and time.monotonic() - self._last_vacuum > VACUUM_MIN_INTERVAL:
+                    self._claims = 0
+                    self._last_vacuum = time.monotonic()
+                    with broker._pool_connection(raw=True) as conn:
+                        conn.execute(broker._sql.vacuum)
                 if time.monotonic() - self._last_purge > 60:
                     self._last_purge = time.monotonic()
                     with broker._pool_connection(raw=True) as conn:

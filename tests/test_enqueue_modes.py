@@ -447,3 +447,30 @@ def test_enqueue_hooks_keep_dramatiqs_order_and_error_handling(broker: PostgresB
     work.send(2)
     assert calls == ["before a", "before b", "after b", "after a"]
     assert len(stored(broker)) == 2
+
+
+# -- what a drained backlog leaves behind ---------------------------------------------
+def test_consumers_vacuum_the_table_after_many_claims(broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims leave dead claim-index entries behind; the keeper vacuums after enough of them."""
+    from dramatiq_pg_fenced import leases
+
+    monkeypatch.setattr(leases, "VACUUM_AFTER_CLAIMS", 20)
+    monkeypatch.setattr(leases, "VACUUM_MIN_INTERVAL", 0.0)
+
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    def vacuums() -> int:
+        [(count,)] = query(
+            broker,
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE schemaname = %s AND relname = 'message'",
+            [broker.schema],
+        )
+        return int(count)
+
+    assert vacuums() == 0
+    broker.enqueue_many([work.message(n) for n in range(50)])
+    with running_worker(broker):
+        broker.join(work.queue_name, timeout=30_000)
+        wait_for(lambda: vacuums() > 0, what="a vacuum by the lease keeper")
