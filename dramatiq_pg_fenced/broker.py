@@ -452,6 +452,10 @@ class PostgresBroker(Broker):
         self._run(lambda conn: self._write_insert(conn, cols, wake))
 
     def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]], wake: set[str]) -> None:
+        if len(cols[0]) == 1:  # a plain send(): one row of scalars is cheaper than unnest
+            statement = self._sql.enqueue_one if self.synchronous_commit else self._sql.enqueue_one_relaxed
+            conn.execute(statement, [*(col[0] for col in cols), self.channel, bool(wake) and self.listen])
+            return
         statement = self._sql.enqueue if self.synchronous_commit else self._sql.enqueue_relaxed
         conn.execute(statement, [*cols, self.channel, bool(wake) and self.listen])
 

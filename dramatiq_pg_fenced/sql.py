@@ -178,6 +178,19 @@ _TEMPLATES["enqueue_relaxed"] = _TEMPLATES["enqueue"].replace(
     "AS m(id, queue, actor, priority, delay_ms, payload),\n"
     "                   (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed",
 )
+#: ``enqueue`` for one message (every plain ``send()``): scalars instead of
+#: unnest over arrays, about a sixth less time per send on the server.
+_TEMPLATES["enqueue_one"] = _TEMPLATES["enqueue"].replace(
+    "FROM unnest(%b::uuid[], %b::text[], %b::text[], %b::int[], %b::bigint[], %b::bytea[])\n"
+    "                   AS m(id, queue, actor, priority, delay_ms, payload)",
+    "FROM (SELECT %b::uuid, %b::text, %b::text, %b::int, %b::bigint, %b::bytea)\n"
+    "                   AS m(id, queue, actor, priority, delay_ms, payload)",
+)
+_TEMPLATES["enqueue_one_relaxed"] = _TEMPLATES["enqueue_one"].replace(
+    "AS m(id, queue, actor, priority, delay_ms, payload)",
+    "AS m(id, queue, actor, priority, delay_ms, payload),\n"
+    "                   (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed",
+)
 
 
 @cache
