@@ -1,0 +1,943 @@
+"""Side-by-side benchmark: PostgresBroker against Dramatiq's Redis and RabbitMQ brokers.
+
+One command, one machine, one run::
+
+    python -m benchmarks.run            # full run (about 10 minutes)
+    python -m benchmarks.run --quick    # smoke run (under 2 minutes)
+
+Every broker gets the same no-op actor and real ``dramatiq`` worker
+processes (2 processes x 8 threads).  The brokers take turns, and each
+side-by-side figure is the median of 5 repetitions (the backlog pair runs
+twice; ``--quick``: once each).  The figures, how each is taken:
+
+single send
+    ``actor.send()`` in a loop from one thread, no workers running.  Ours
+    commits every send durably (``synchronous_commit = on``); Redis runs
+    here without persistence and RabbitMQ publishes without confirms (both
+    Dramatiq defaults), so neither of theirs is a durable commit.
+bulk enqueue
+    The best bulk means each broker has: ours ``broker.enqueue_many`` in
+    chunks; Redis a pipeline of Dramatiq's own enqueue script (no
+    middleware hooks); RabbitMQ a plain ``send()`` loop (publishing without
+    confirms is already pipelined).  This also fills the drain backlog.
+drain
+    N messages are enqueued first, then the workers start.  The clock
+    starts when the queue is first seen shrinking (worker start-up is
+    reported on its own) and stops when nothing is queued or in flight
+    (ours: no queued or running row; Redis: Dramatiq's ``qsize``; RabbitMQ:
+    the queue's ready count, which misses up to 32 unacked messages).
+idle latency
+    With the workers idle, ``stamp.send(time.time())`` at a low steady
+    rate; the actor appends ``sent received`` to a file as its first step.
+big backlog (ours)
+    The same drain with a 10k and a 200k backlog, worker RSS (peak per
+    process) and connections per process (``pg_stat_activity`` by
+    ``application_name``), and the table size (``pg_total_relation_size``,
+    indexes and TOAST included) with the backlog, right after the drain (the
+    workers' own vacuums included), and after one more plain ``VACUUM``.
+
+Results go to ``benchmarks/results/<full|quick>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import dramatiq  # noqa: E402
+import psycopg  # noqa: E402
+from dramatiq.common import current_millis  # noqa: E402
+from dramatiq.message import Message  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from benchmarks import apps  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+KINDS = ("postgres", "redis", "rabbitmq")
+PROCESSES, THREADS = 2, 8
+
+
+@dataclass
+class Plan:
+    name: str
+    repeats: int
+    backlog: int  # N for the side-by-side drain
+    single_max: int  # sends per single-send measurement (also bounded by single_seconds)
+    single_seconds: float
+    latency_count: int
+    latency_rate: float  # messages per second
+    small: int  # ours: drain with a small backlog ...
+    big: int  # ... against a big one
+    pg_chunk: int  # enqueue_many chunk size
+    backlog_repeats: int
+
+
+FULL = Plan("full", 5, 20_000, 5_000, 5.0, 300, 20.0, 10_000, 200_000, 5_000, 2)
+QUICK = Plan("quick", 1, 2_000, 500, 1.0, 40, 20.0, 2_000, 20_000, 5_000, 1)
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return check()
+
+
+# -- worker processes ----------------------------------------------------------
+class Workers:
+    """``dramatiq benchmarks.apps -p 2 -t 8`` in a session of its own."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self.log_file = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "benchmarks.apps", "-p", str(PROCESSES), "-t", str(THREADS)]
+            + ["--path", str(REPO)],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def children(self) -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                    if int(fields[1]) == self.proc.pid:
+                        pids.append(int(entry))
+        return pids
+
+    def rss(self) -> dict[int, int]:
+        """Resident memory of each worker process, bytes."""
+        out = {}
+        for pid in self.children():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[pid] = int(line.split()[1]) * 1024
+        return out
+
+    def cpu(self) -> dict[int, float]:
+        return cpu_seconds(self.children())
+
+    def ready(self) -> int:
+        return self.log_path.read_text(errors="replace").count("ready for action")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log("workers did not stop in time; killing their process group")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log_file.close()
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU time of each process so far, seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def pids_named(name: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() == name:
+                    pids.append(int(entry))
+    return pids
+
+
+# -- one driver per broker --------------------------------------------------
+class Driver:
+    """What the controller does with one broker: send, bulk-send, count."""
+
+    kind = ""
+
+    def __init__(self, plan: Plan, tmp: Path) -> None:
+        self.plan = plan
+        self.tmp = tmp
+        self.broker: Any = None
+        self.actors: dict[str, dramatiq.Actor] = {}
+
+    def fresh(self) -> None:
+        """An empty queue, and a controller-side broker with the actors declared."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.broker is not None:
+            self.broker.close()
+            self.broker = None
+
+    def message(self) -> Message:
+        return self.actors["noop"].message()
+
+    def bulk(self, messages: list[Message]) -> None:
+        raise NotImplementedError
+
+    def queued(self) -> int:
+        """Messages not yet picked up (for spotting the drain's start)."""
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        raise NotImplementedError
+
+    def worker_env(self) -> dict[str, str]:
+        return {"BENCH_BROKER": self.kind}
+
+    def server_pids(self) -> list[int]:
+        """The server processes that work for the benchmark's workers (for CPU accounting)."""
+        return []
+
+    def versions(self) -> dict[str, Any]:
+        return {}
+
+
+class PostgresDriver(Driver):
+    kind = "postgres"
+
+    def __init__(self, plan: Plan, tmp: Path, url: str, options: dict[str, Any] | None = None) -> None:
+        super().__init__(plan, tmp)
+        self.url = url
+        self.options = options or {}
+        self.schema = ""
+        self.admin = psycopg.connect(apps.pg_url(url, "bench-controller-admin"), autocommit=True)
+        self.used: set[str] = set()
+
+    def fresh(self, **options: Any) -> None:
+        self.close()
+        self.drop()
+        self.schema = f"bench_{uuid.uuid4().hex[:8]}"
+        self.used.add(self.schema)
+        self.broker = apps.make_broker(
+            "postgres", schema=self.schema, application_name="bench-controller", **{**self.options, **options}
+        )
+        self.broker.migrate()
+        self.actors = apps.declare(self.broker)
+        ident = sql.Identifier(self.schema)
+        self._queued = sql.SQL(
+            "SELECT count(*) FROM (SELECT 1 FROM {}.message WHERE queue_name = %s AND state = 'queued' LIMIT %s) q"
+        ).format(ident)
+        self._busy = sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {}.message WHERE queue_name = %s AND state IN ('queued', 'running'))"
+        ).format(ident)
+
+    def relaxed_latency(self, path: Path) -> dict[str, float]:
+        """Idle latency again, sent by a ``synchronous_commit=False`` broker to the same workers."""
+        sender = apps.make_broker(
+            "postgres",
+            schema=self.schema,
+            application_name="bench-controller-relaxed",
+            **{**self.options, "synchronous_commit": False},
+        )
+        try:
+            return measure_latency(self, self.plan, path, apps.declare(sender))
+        finally:
+            sender.close()
+
+    def drop(self) -> None:
+        if self.schema:
+            self.admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema)))
+            self.schema = ""
+
+    def bulk(self, messages: list[Message]) -> None:
+        step = self.plan.pg_chunk
+        for i in range(0, len(messages), step):
+            self.broker.enqueue_many(messages[i : i + step])
+
+    def queued(self) -> int:
+        # Bounded count: cheap next to the workers on a 2-core machine.
+        return int(self._one(self._queued, [apps.QUEUE, 1_000_000]))
+
+    def started(self, total: int) -> bool:
+        query = sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.message WHERE state = 'running')")
+        return bool(self._one(query.format(sql.Identifier(self.schema))))
+
+    def empty(self) -> bool:
+        return not self._one(self._busy, [apps.QUEUE])
+
+    def size(self) -> int:
+        return int(self._one("SELECT pg_total_relation_size(%s::regclass)", [f'"{self.schema}".message']))
+
+    def _one(self, query: Any, params: Any = None) -> Any:
+        """The single value *query* returns, on the admin connection."""
+        row = self.admin.execute(query, params).fetchone()
+        assert row is not None
+        return row[0]
+
+    def vacuum(self) -> None:
+        self.admin.execute(sql.SQL("VACUUM {}.message").format(sql.Identifier(self.schema)))
+
+    def connections(self) -> dict[str, int]:
+        rows = self.admin.execute(
+            "SELECT application_name, count(*) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'bench-worker-%%' GROUP BY 1"
+        ).fetchall()
+        return {name: int(n) for name, n in rows}
+
+    def server_pids(self) -> list[int]:
+        rows = self.admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'bench-worker-%%'"
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            "BENCH_BROKER": "postgres",
+            "BENCH_PG_URL": self.url,
+            "BENCH_PG_SCHEMA": self.schema,
+            "BENCH_PG_OPTIONS": json.dumps(self.options),
+        }
+
+    def versions(self) -> dict[str, Any]:
+        settings = {}
+        for name in ("server_version", "synchronous_commit", "fsync", "shared_buffers", "max_connections"):
+            settings[name] = self._one(sql.SQL("SHOW {}").format(sql.Identifier(name)))
+        return {"postgresql": settings, "broker_options": self.options}
+
+    def shutdown(self) -> None:
+        self.close()
+        for schema in self.used:
+            self.admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        self.admin.close()
+
+
+class RedisDriver(Driver):
+    kind = "redis"
+
+    def fresh(self) -> None:
+        if self.broker is None:
+            self.broker = apps.make_broker("redis")
+            self.actors = apps.declare(self.broker)
+        self.broker.flush_all()
+
+    def bulk(self, messages: list[Message]) -> None:
+        """A pipeline of the same Lua enqueue Dramatiq runs per message, 1000 per round trip."""
+        b = self.broker
+        dispatch = b.scripts["dispatch"]
+        unpack = b._max_unpack_size()
+        for i in range(0, len(messages), 1000):
+            pipe = b.client.pipeline(transaction=False)
+            for message in messages[i : i + 1000]:
+                redis_id = str(uuid.uuid4())
+                data = message.copy(options={"redis_message_id": redis_id}).encode()
+                args = ["enqueue", current_millis(), message.queue_name, b.broker_id, b.heartbeat_timeout]
+                args += [b.dead_message_ttl, 0, unpack, redis_id, data]
+                dispatch(keys=[b.namespace], args=args, client=pipe)
+            pipe.execute()
+
+    def queued(self) -> int:
+        return int(self.broker.client.llen(f"{apps.REDIS_NAMESPACE}:{apps.QUEUE}"))
+
+    def empty(self) -> bool:
+        return int(self.broker.do_qsize(apps.QUEUE)) == 0
+
+    def server_pids(self) -> list[int]:
+        return pids_named("redis-server")
+
+    def versions(self) -> dict[str, Any]:
+        info = self.broker.client.info("server")
+        persistence = self.broker.client.config_get("appendonly") | self.broker.client.config_get("save")
+        return {"redis": {"version": info.get("redis_version"), **persistence}}
+
+
+class RabbitmqDriver(Driver):
+    kind = "rabbitmq"
+
+    def fresh(self) -> None:
+        if self.broker is None:
+            self.broker = apps.make_broker("rabbitmq")
+            self.actors = apps.declare(self.broker)
+            self.broker.declare_queue(apps.QUEUE, ensure=True)
+        self.broker.flush_all()
+
+    def bulk(self, messages: list[Message]) -> None:
+        """RabbitMQ has no batch publish; without confirms a loop is already pipelined."""
+        for message in messages:
+            self.broker.enqueue(message)
+
+    def queued(self) -> int:
+        return int(self.broker.get_queue_message_counts(apps.QUEUE)[0])
+
+    def empty(self) -> bool:
+        return sum(self.broker.get_queue_message_counts(apps.QUEUE)[:2]) == 0
+
+    def server_pids(self) -> list[int]:
+        return pids_named("beam.smp")
+
+    def versions(self) -> dict[str, Any]:
+        props = self.broker.connection._impl.server_properties
+        version = props.get("version", b"")
+        return {
+            "rabbitmq": {
+                "version": version.decode() if isinstance(version, bytes) else version,
+                "confirm_delivery": False,
+            }
+        }
+
+
+# -- measurements ---------------------------------------------------------------
+def measure_single(driver: Driver, plan: Plan) -> float:
+    send = driver.actors["noop"].send
+    send()  # warm the connection
+    count, start = 0, time.perf_counter()
+    deadline = start + plan.single_seconds
+    while count < plan.single_max and time.perf_counter() < deadline:
+        send()
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def measure_bulk(driver: Driver, n: int) -> float:
+    messages = [driver.message() for _ in range(n)]
+    start = time.perf_counter()
+    driver.bulk(messages)
+    return n / (time.perf_counter() - start)
+
+
+@dataclass
+class Drain:
+    n: int
+    rate: float
+    seconds: float
+    startup: float
+    peak_rss: dict[int, int]
+    peak_connections: dict[str, int]
+    worker_cpu_us: float  # CPU time of the worker processes per message
+    server_cpu_us: float  # CPU time of the broker's server processes per message
+
+
+def measure_drain(driver: Driver, workers: Workers, n: int, timeout: float) -> Drain:
+    """From the first consumed message to an empty queue, sampling RSS and connections."""
+    rss: dict[int, int] = {}
+    conns: dict[str, int] = {}
+    is_pg = isinstance(driver, PostgresDriver)
+
+    def sample() -> None:
+        for pid, value in workers.rss().items():
+            rss[pid] = max(rss.get(pid, 0), value)
+        if is_pg:
+            for name, value in driver.connections().items():  # type: ignore[attr-defined]
+                conns[name] = max(conns.get(name, 0), value)
+
+    def begun() -> bool:
+        if is_pg:
+            return driver.started(n)  # type: ignore[attr-defined]
+        return driver.queued() < n
+
+    if not wait_until(begun, timeout=60, interval=0.01):
+        raise RuntimeError(f"{driver.kind}: workers did not start consuming within 60 s; see {workers.log_path}")
+    t_start = time.monotonic()
+    startup = t_start - workers.started_at
+    worker_cpu0, server_cpu0 = workers.cpu(), cpu_seconds(driver.server_pids())
+    deadline = t_start + timeout
+    last_sample = 0.0
+    while not driver.empty():
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"{driver.kind}: drain of {n} did not finish within {timeout:.0f} s")
+        if now - last_sample > 0.25:
+            sample()
+            last_sample = now
+        time.sleep(0.02)
+    seconds = time.monotonic() - t_start
+    worker_cpu = sum(v - worker_cpu0.get(pid, 0.0) for pid, v in workers.cpu().items())
+    server_cpu = sum(v - server_cpu0.get(pid, 0.0) for pid, v in cpu_seconds(driver.server_pids()).items())
+    sample()
+    return Drain(n, n / seconds, seconds, startup, rss, conns, worker_cpu / n * 1e6, server_cpu / n * 1e6)
+
+
+def measure_latency(
+    driver: Driver, plan: Plan, path: Path, actors: dict[str, dramatiq.Actor] | None = None
+) -> dict[str, float]:
+    send = (actors or driver.actors)["stamp"].send
+    path.write_text("")  # the workers append with O_APPEND: they follow the truncation
+    time.sleep(1.0)  # idle: consumers are waiting, as they would between bursts
+    start = time.monotonic()
+    calls = []
+    for i in range(plan.latency_count):
+        pause = start + i / plan.latency_rate - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        sent = time.time()
+        send(sent)
+        calls.append((time.time() - sent) * 1000)
+    calls.sort()
+
+    def lines() -> list[str]:
+        return path.read_text().splitlines() if path.exists() else []
+
+    wait_until(lambda: len(lines()) >= plan.latency_count, timeout=30, interval=0.05)
+    got = lines()
+    values = sorted((float(b) - float(a)) * 1000 for a, b in (line.split() for line in got))
+    if not values:
+        raise RuntimeError(f"{driver.kind}: no latency samples arrived")
+    return {
+        "p50_ms": percentile(values, 50),
+        "p99_ms": percentile(values, 99),
+        "max_ms": values[-1],
+        "send_call_p50_ms": percentile(calls, 50),  # part of the latency: ours is a durable commit
+        "samples": len(values),
+        "sent": plan.latency_count,
+    }
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile of sorted *values*."""
+    rank = max(1, -(-len(values) * p // 100))
+    return values[int(rank) - 1]
+
+
+@contextlib.contextmanager
+def running_workers(driver: Driver, log_path: Path, extra: dict[str, str] | None = None) -> Iterator[Workers]:
+    workers = Workers({**driver.worker_env(), **(extra or {})}, log_path)
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
+# -- the run -------------------------------------------------------------------
+def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, Any]) -> None:
+    per: dict[str, dict[str, list[Any]]] = {d.kind: {"single": [], "bulk": [], "drain": []} for d in drivers}
+    for rep in range(plan.repeats):
+        for driver in drivers:
+            kind = driver.kind
+            driver.fresh()
+            single = measure_single(driver, plan)
+            driver.fresh()
+            bulk = measure_bulk(driver, plan.backlog)
+            lat_path = tmp / f"latency-{kind}-{rep}.txt"
+            with running_workers(driver, tmp / f"workers-{kind}-{rep}.log", {"BENCH_LATENCY_FILE": str(lat_path)}) as w:
+                drain = measure_drain(driver, w, plan.backlog, timeout=max(120.0, plan.backlog / 200))
+                latency = measure_latency(driver, plan, lat_path) if rep == 0 else None
+                if rep == 0 and isinstance(driver, PostgresDriver):
+                    relaxed = driver.relaxed_latency(lat_path)
+                    out["brokers"][kind]["latency_relaxed_enqueue"] = relaxed
+                    log(
+                        f"postgres idle latency with synchronous_commit=False sends: p50 {relaxed['p50_ms']:.2f} ms p99 {relaxed['p99_ms']:.2f} ms"
+                    )
+            per[kind]["single"].append(single)
+            per[kind]["bulk"].append(bulk)
+            per[kind]["drain"].append(drain)
+            if latency is not None:
+                out["brokers"][kind]["latency"] = latency
+            log(
+                f"rep {rep + 1}/{plan.repeats} {kind:9s} single {single:8.0f}/s  bulk {bulk:8.0f}/s  "
+                f"drain {drain.rate:8.0f}/s ({drain.seconds:.2f} s, start-up {drain.startup:.2f} s, "
+                f"CPU/msg {drain.worker_cpu_us:.0f}+{drain.server_cpu_us:.0f} us)"
+                + (f"  latency p50 {latency['p50_ms']:.2f} ms p99 {latency['p99_ms']:.2f} ms" if latency else "")
+            )
+    for kind, figures in per.items():
+        drains: list[Drain] = figures["drain"]
+        out["brokers"][kind].update(
+            {
+                "single_send_per_s": statistics.median(figures["single"]),
+                "bulk_enqueue_per_s": statistics.median(figures["bulk"]),
+                "drain_per_s": statistics.median(d.rate for d in drains),
+                "worker_startup_s": statistics.median(d.startup for d in drains),
+                "worker_cpu_us_per_msg": statistics.median(d.worker_cpu_us for d in drains),
+                "server_cpu_us_per_msg": statistics.median(d.server_cpu_us for d in drains),
+                "runs": {
+                    "single_send_per_s": figures["single"],
+                    "bulk_enqueue_per_s": figures["bulk"],
+                    "drain_per_s": [d.rate for d in drains],
+                    "drain_seconds": [d.seconds for d in drains],
+                },
+                "peak_rss_mb_per_process": max(max(d.peak_rss.values(), default=0) for d in drains) / 2**20,
+            }
+        )
+        if kind == "postgres":
+            out["brokers"][kind]["connections_per_process"] = max(
+                max(d.peak_connections.values(), default=0) for d in drains
+            )
+
+
+def relaxed_single(url: str, options: dict[str, Any], plan: Plan, tmp: Path) -> float:
+    driver = PostgresDriver(plan, tmp, url, {**options, "synchronous_commit": False})
+    try:
+        driver.fresh()
+        return measure_single(driver, plan)
+    finally:
+        driver.shutdown()
+
+
+def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str, Any]) -> None:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _, n in [(r, n) for r in range(plan.backlog_repeats) for n in (plan.small, plan.big)]:
+        driver.fresh()
+        start = time.perf_counter()
+        messages = [driver.message() for _ in range(n)]
+        driver.bulk(messages)
+        del messages
+        enqueue_s = time.perf_counter() - start
+        size_backlog = driver.size()
+        with running_workers(driver, tmp / f"workers-backlog-{n}.log") as w:
+            drain = measure_drain(driver, w, n, timeout=max(300.0, n / 200))
+            time.sleep(0.5)
+            idle_conns = driver.connections()
+        size_after = driver.size()
+        driver.vacuum()
+        size_vacuumed = driver.size()
+        runs.setdefault(str(n), []).append(
+            {
+                "enqueue_per_s": n / enqueue_s,
+                "drain_per_s": drain.rate,
+                "drain_seconds": drain.seconds,
+                "worker_startup_s": drain.startup,
+                "worker_cpu_us_per_msg": drain.worker_cpu_us,
+                "server_cpu_us_per_msg": drain.server_cpu_us,
+                "peak_rss_mb_per_process": {str(k): v / 2**20 for k, v in drain.peak_rss.items()},
+                "peak_connections_per_process": drain.peak_connections,
+                "idle_connections_per_process": idle_conns,
+                "size_with_backlog_bytes": size_backlog,
+                "size_after_drain_bytes": size_after,
+                "size_after_vacuum_bytes": size_vacuumed,
+            }
+        )
+        log(
+            f"postgres backlog {n:>7}: drain {drain.rate:8.0f}/s ({drain.seconds:.1f} s, "
+            f"CPU/msg {drain.worker_cpu_us:.0f}+{drain.server_cpu_us:.0f} us); "
+            f"peak RSS {max(drain.peak_rss.values(), default=0) / 2**20:.0f} MB/process; "
+            f"connections {max(drain.peak_connections.values(), default=0)}/process; "
+            f"size {size_backlog / 2**20:.1f} MB -> {size_after / 2**20:.1f} MB -> {size_vacuumed / 2**20:.2f} MB (vacuum)"
+        )
+    result: dict[str, Any] = {}
+    for key, done in runs.items():
+        result[key] = {
+            **done[-1],
+            "drain_per_s": statistics.median(r["drain_per_s"] for r in done),
+            "worker_cpu_us_per_msg": statistics.median(r["worker_cpu_us_per_msg"] for r in done),
+            "server_cpu_us_per_msg": statistics.median(r["server_cpu_us_per_msg"] for r in done),
+            "peak_rss_mb_per_process": {
+                k: max(r["peak_rss_mb_per_process"].get(k, 0) for r in done)
+                for k in {k for r in done for k in r["peak_rss_mb_per_process"]}
+            },
+            "runs": done,
+        }
+    out["backlog"] = result
+
+
+def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
+    b = out["brokers"]
+    rows = []
+
+    def add(name: str, value: float | None, goal: float, unit: str, higher: bool = True) -> None:
+        met = None if value is None else (value >= goal if higher else value <= goal)
+        rows.append(
+            {"target": name, "value": value, "goal": goal, "unit": unit, "higher_is_better": higher, "met": met}
+        )
+
+    def ratio(a: str, c: str, key: str) -> float | None:
+        if a in b and c in b and key in b[a] and key in b[c] and b[c][key]:
+            return float(b[a][key] / b[c][key])
+        return None
+
+    add("drain vs RabbitMQ", ratio("postgres", "rabbitmq", "drain_per_s"), 1.2, "x")
+    add("drain vs Redis", ratio("postgres", "redis", "drain_per_s"), 2.0, "x")
+    add("single send vs Redis (ours durable)", ratio("postgres", "redis", "single_send_per_s"), 0.6, "x")
+    add("bulk enqueue", b.get("postgres", {}).get("bulk_enqueue_per_s"), 50_000, "msg/s")
+    lat = b.get("postgres", {}).get("latency", {})
+    add("idle latency p50", lat.get("p50_ms"), 2.0, "ms", higher=False)
+    add("idle latency p99", lat.get("p99_ms"), 10.0, "ms", higher=False)
+    backlog = out.get("backlog")
+    if backlog:
+        small, big = backlog[str(plan.small)], backlog[str(plan.big)]
+        add(
+            f"drain {plan.big // 1000}k vs {plan.small // 1000}k backlog",
+            big["drain_per_s"] / small["drain_per_s"],
+            0.9,
+            "x",
+        )
+        rss_small = max(small["peak_rss_mb_per_process"].values(), default=0)
+        rss_big = max(big["peak_rss_mb_per_process"].values(), default=0)
+        add(
+            f"worker RSS {plan.big // 1000}k vs {plan.small // 1000}k backlog",
+            rss_big / rss_small if rss_small else None,
+            1.1,
+            "x",
+            higher=False,
+        )
+    return rows
+
+
+# -- output ---------------------------------------------------------------------
+def fmt(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _pair(latency: dict[str, float] | None) -> str | None:
+    return None if latency is None else f"{latency['p50_ms']:.2f} / {latency['p99_ms']:.2f}"
+
+
+def table(out: dict[str, Any]) -> str:
+    kinds = [k for k in KINDS if k in out["brokers"]]
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, key: Callable[[dict[str, Any]], Any], digits: int = 0) -> None:
+        rows.append((label, [fmt(key(out["brokers"][k]), digits) for k in kinds]))
+
+    row("single send() msg/s", lambda f: f.get("single_send_per_s"))
+    row("bulk enqueue msg/s", lambda f: f.get("bulk_enqueue_per_s"))
+    row(f"drain {out['plan']['backlog'] // 1000}k backlog msg/s", lambda f: f.get("drain_per_s"))
+    row("worker start-up s (not in drain)", lambda f: f.get("worker_startup_s"), 2)
+    row("drain CPU us/msg, worker processes", lambda f: f.get("worker_cpu_us_per_msg"))
+    row("drain CPU us/msg, broker server", lambda f: f.get("server_cpu_us_per_msg"))
+    row("idle latency p50 ms", lambda f: f.get("latency", {}).get("p50_ms"), 2)
+    row("idle latency p99 ms", lambda f: f.get("latency", {}).get("p99_ms"), 2)
+    row("  of which the send() call, p50 ms", lambda f: f.get("latency", {}).get("send_call_p50_ms"), 2)
+    row("idle latency p50 / p99 ms, relaxed sends", lambda f: _pair(f.get("latency_relaxed_enqueue")))
+    row("peak worker RSS MB/process", lambda f: f.get("peak_rss_mb_per_process"), 1)
+    row("DB connections/process", lambda f: f.get("connections_per_process"))
+    names = {"postgres": "PostgresBroker (ours)", "redis": "RedisBroker", "rabbitmq": "RabbitmqBroker"}
+    lines = ["| figure | " + " | ".join(names[k] for k in kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    relaxed = out["brokers"].get("postgres", {}).get("single_send_relaxed_per_s")
+    if relaxed:
+        lines.append(f"| single send() msg/s, synchronous_commit=False | {fmt(relaxed)} |" + " - |" * (len(kinds) - 1))
+    backlog = out.get("backlog")
+    if backlog:
+        lines += [
+            "",
+            "| ours, backlog | drain msg/s | peak RSS MB/process | connections/process | table+indexes with backlog | right after drain | after VACUUM |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for n, f in backlog.items():
+            lines.append(
+                f"| {int(n):,} | {fmt(f['drain_per_s'])} | {fmt(max(f['peak_rss_mb_per_process'].values(), default=0), 1)} "
+                f"| {max(f['peak_connections_per_process'].values(), default=0)} "
+                f"| {f['size_with_backlog_bytes'] / 2**20:.1f} MB | {f['size_after_drain_bytes'] / 2**20:.1f} MB "
+                f"| {f['size_after_vacuum_bytes'] / 2**20:.2f} MB |"
+            )
+    lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+    for t in out["targets"]:
+        value = "-" if t["value"] is None else (f"{t['value']:,.2f}" if t["unit"] != "msg/s" else f"{t['value']:,.0f}")
+        goal = ("<= " if not t["higher_is_better"] else ">= ") + (
+            f"{t['goal']:,}" if t["unit"] == "msg/s" else f"{t['goal']}"
+        )
+        met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+        lines.append(f"| {t['target']} | {value} {t['unit']} | {goal} {t['unit']} | {met} |")
+    return "\n".join(lines)
+
+
+def chart(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KINDS if k in out["brokers"]]
+    labels = {"postgres": "Postgres\n(ours)", "redis": "Redis", "rabbitmq": "RabbitMQ"}
+    colors = {"postgres": "#336791", "redis": "#d82c20", "rabbitmq": "#ff6600"}
+    b = out["brokers"]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+
+    def bars(ax: Any, key: str, title: str, unit: str) -> None:
+        values = [b[k].get(key) or 0 for k in kinds]
+        ax.bar([labels[k] for k in kinds], values, color=[colors[k] for k in kinds])
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=9)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+
+    bars(axes[0][0], "single_send_per_s", "single send() (ours: durable commit each)", "messages/s")
+    bars(axes[0][1], "bulk_enqueue_per_s", "bulk enqueue (best means each)", "messages/s")
+    if "postgres" in b:
+        axes[0][1].axhline(50_000, color="gray", ls="--", lw=1, label="target 50k/s")
+        axes[0][1].legend(loc="upper right", fontsize=8)
+    bars(axes[0][2], "drain_per_s", f"drain, {out['plan']['backlog']:,}-message backlog", "messages/s")
+
+    ax = axes[1][0]
+    width = 0.38
+    for j, (key, name) in enumerate((("p50_ms", "p50"), ("p99_ms", "p99"))):
+        values = [b[k].get("latency", {}).get(key) or 0 for k in kinds]
+        xs = [i + (j - 0.5) * width for i in range(len(kinds))]
+        ax.bar(xs, values, width, label=name, color=[colors[k] for k in kinds], alpha=1.0 if j == 0 else 0.55)
+        for x, v in zip(xs, values, strict=True):
+            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(kinds)), [labels[k] for k in kinds])
+    ax.axhline(2, color="gray", ls="--", lw=1, label="target p50 2 ms")
+    ax.axhline(10, color="gray", ls=":", lw=1, label="target p99 10 ms")
+    ax.set_yscale("log")
+    ax.set_title(f"idle latency send->actor start ({out['plan']['latency_rate']:.0f} msg/s)")
+    ax.set_ylabel("ms (log)")
+    ax.legend(fontsize=8)
+
+    backlog = out.get("backlog")
+    if backlog:
+        ns = list(backlog)
+        ax = axes[1][1]
+        rates = [backlog[n]["drain_per_s"] for n in ns]
+        ax.bar([f"{int(n):,}" for n in ns], rates, color=colors["postgres"])
+        for i, v in enumerate(rates):
+            ax.annotate(f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=9)
+        ax.set_title("ours: drain rate by backlog size")
+        ax.set_ylabel("messages/s")
+        ax.set_xlabel("backlog (messages)")
+
+        ax = axes[1][2]
+        rss = [max(backlog[n]["peak_rss_mb_per_process"].values(), default=0) for n in ns]
+        sizes = [backlog[n]["size_with_backlog_bytes"] / 2**20 for n in ns]
+        after = [backlog[n]["size_after_vacuum_bytes"] / 2**20 for n in ns]
+        xs = list(range(len(ns)))
+        ax.bar([x - 0.27 for x in xs], rss, 0.27, label="peak worker RSS/process", color="#6a994e")
+        ax.bar(xs, sizes, 0.27, label="table+indexes with backlog", color="#bc6c25")
+        ax.bar([x + 0.27 for x in xs], after, 0.27, label="table+indexes drained, vacuumed", color="#dda15e")
+        ax.set_xticks(xs, [f"{int(n):,}" for n in ns])
+        ax.set_title("ours: memory and table size")
+        ax.set_ylabel("MB")
+        ax.set_xlabel("backlog (messages)")
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylim(0, max(rss + sizes) * 1.35)
+    else:
+        axes[1][1].axis("off")
+        axes[1][2].axis("off")
+
+    meta = out["meta"]
+    fig.suptitle(
+        f"dramatiq-pg-fenced benchmark ({out['plan']['name']}): {PROCESSES} worker processes x {THREADS} threads, "
+        f"{meta['cpus']} CPUs, load avg at start {meta['loadavg_start'][0]:.2f}, {meta['started']}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run (under 2 minutes)")
+    parser.add_argument("--brokers", default=",".join(KINDS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--no-backlog", action="store_true", help="skip the 10k/200k backlog part")
+    parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL") or apps.PG_URL)
+    parser.add_argument("--pg-options", default="{}", help="JSON of extra PostgresBroker options (for tuning)")
+    parser.add_argument("--out", type=Path, default=None, help="results path stem (default: results/<full|quick>)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    kinds = [k.strip() for k in args.brokers.split(",") if k.strip()]
+    for k in kinds:
+        if k not in KINDS:
+            parser.error(f"unknown broker {k!r}")
+    options = json.loads(args.pg_options)
+    os.environ["BENCH_PG_URL"] = args.pg_url
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = args.out or RESULTS / plan.name
+
+    out: dict[str, Any] = {
+        "meta": {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "commit": git_commit(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "python": platform.python_version(),
+            "dramatiq": dramatiq.__version__,
+            "processes": PROCESSES,
+            "threads": THREADS,
+            "note": "2-core machine shared with other jobs; compare ratios from the same run",
+        },
+        "plan": plan.__dict__,
+        "brokers": {k: {} for k in kinds},
+    }
+    log(f"{plan.name} run, brokers {kinds}, load average {os.getloadavg()}")
+    begun = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dramatiq-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        drivers: list[Driver] = []
+        pg: PostgresDriver | None = None
+        for kind in kinds:
+            if kind == "postgres":
+                pg = PostgresDriver(plan, tmp, args.pg_url, options)
+                drivers.append(pg)
+            elif kind == "redis":
+                drivers.append(RedisDriver(plan, tmp))
+            else:
+                drivers.append(RabbitmqDriver(plan, tmp))
+        try:
+            for d in drivers:
+                d.fresh()
+                out["meta"].update(d.versions())
+            side_by_side(drivers, plan, tmp, out)
+            if pg is not None:
+                out["brokers"]["postgres"]["single_send_relaxed_per_s"] = relaxed_single(
+                    args.pg_url, options, plan, tmp
+                )
+                log(
+                    f"postgres single send, synchronous_commit=False: {out['brokers']['postgres']['single_send_relaxed_per_s']:.0f}/s"
+                )
+                if not args.no_backlog:
+                    backlog_scaling(pg, plan, tmp, out)
+        except BaseException:
+            for path in sorted(tmp.glob("workers-*.log")):
+                tail = path.read_text(errors="replace").splitlines()[-15:]
+                print(f"--- {path.name} (last lines)\n" + "\n".join(tail), file=sys.stderr)
+            raise
+        finally:
+            for d in drivers:
+                with contextlib.suppress(Exception):
+                    d.shutdown() if isinstance(d, PostgresDriver) else d.close()
+    out["meta"]["loadavg_end"] = os.getloadavg()
+    out["meta"]["seconds"] = round(time.monotonic() - begun, 1)
+    out["targets"] = targets(out, plan)
+    text = table(out)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    chart(out, Path(f"{stem}.png"))
+    print()
+    print(text)
+    print()
+    log(f"done in {out['meta']['seconds']:.0f} s; wrote {stem}.json and {stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
