@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 import dramatiq
 import pytest
 from dramatiq.middleware import CurrentMessage
-from helpers import wait_for
+from helpers import running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.broker import CancelOutcome
@@ -23,17 +22,6 @@ def broker(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> Postgre
     broker.add_middleware(CurrentMessage())
     dramatiq.set_broker(broker)
     return broker
-
-
-@contextmanager
-def worker(broker: PostgresBroker) -> Iterator[dramatiq.Worker]:
-    """A worker started after the test's actors are declared, so it consumes their queues."""
-    w = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
-    w.start()
-    try:
-        yield w
-    finally:
-        w.stop()
 
 
 def current() -> Any:
@@ -68,7 +56,7 @@ def test_cancel_queued_message_never_runs(broker: PostgresBroker) -> None:
     assert state(broker, first.message_id) == ("cancelled", 0)
     assert broker.is_cancelled(first.message_id)
     assert not broker.is_cancelled(second.message_id)
-    with worker(broker):
+    with running_worker(broker, threads=2):
         broker.join("cq", timeout=30_000)  # the cancelled one is older: it would have been claimed first
     assert ran == [2]
     assert state(broker, first.message_id) == ("cancelled", 0)
@@ -92,7 +80,7 @@ def test_cancel_retry_waiting_for_its_backoff(broker: PostgresBroker) -> None:
 
     message = flaky.send()
     mid = message.message_id
-    with worker(broker):
+    with running_worker(broker, threads=2):
         wait_for(lambda: state(broker, mid) == ("queued", 1), 30, "the retry to be written")
         info = broker.inspect(mid)
         assert info is not None and info["retries"] == 1 and "boom" in (info["last_error"] or "")
@@ -130,7 +118,7 @@ def test_cancel_running_message_fences_out_its_outcome(broker: PostgresBroker, o
         pass
 
     options: dict[str, Any] = {"max_retries": 0} if outcome == "nack" else {}
-    with worker(broker):
+    with running_worker(broker, threads=2):
         message = long.send_with_options(args=(outcome,), **options)
         mid = message.message_id
         assert started.wait(30)
@@ -189,7 +177,7 @@ def test_inspect_shows_what_operators_need(broker: PostgresBroker) -> None:
     assert info["lease_expires_at"] is None and info["lease_holder"] is None and info["last_error"] is None
     assert list(info["args"]) == [1]
 
-    with worker(broker):
+    with running_worker(broker, threads=2):
         running = inspected.send(2)
         assert started.wait(30)
         info = broker.inspect(running.message_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
@@ -17,45 +16,16 @@ import psycopg
 import pytest
 from dramatiq import group
 from dramatiq.middleware import Middleware
+from helpers import Factory, query, running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
 
-Factory = Callable[..., PostgresBroker]
-
 
 # -- helpers ------------------------------------------------------------------
-def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
-    stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
-    with broker._pool_connection() as conn:
-        cur = conn.execute(stmt, params)
-        return cur.fetchall() if cur.description else []
-
-
 def stored(broker: PostgresBroker) -> list[str]:
     """Ids of the stored messages, in insertion order."""
     return [r[0] for r in query(broker, "SELECT message_id::text FROM {schema}.message ORDER BY seq")]
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-@contextmanager
-def running_worker(broker: PostgresBroker) -> Iterator[dramatiq.Worker]:
-    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
-    worker.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
 
 
 class Listener:
@@ -231,7 +201,7 @@ def test_batch_runs_a_group_in_one_insert(broker: PostgresBroker) -> None:
         assert len(recorder.before) == 10 and recorder.after == []  # after_enqueue waits for the write
     assert len(stored(broker)) == 10
     assert len(recorder.after) == 10
-    with running_worker(broker):
+    with running_worker(broker, threads=2):
         broker.join(member.queue_name, timeout=30_000)
     assert sorted(seen) == list(range(10))
 
@@ -300,7 +270,7 @@ def test_outbox_commit_makes_row_and_message_visible_together(
             assert bell.drain(quiet=0.2) == []  # and the doorbell rings only at commit
         assert len(stored(broker)) == 1
         assert bell.drain() == [confirm.queue_name]
-    with running_worker(broker):
+    with running_worker(broker, threads=2):
         broker.join(confirm.queue_name, timeout=30_000)
     assert found == [42]  # the actor saw the business row: they committed together
 
@@ -374,7 +344,7 @@ def test_relaxed_mode_delivers(dramatiq_pg_broker_factory: Factory) -> None:
     broker.enqueue_many([work.message(n) for n in range(5, 10)])
     with broker.batch():
         work.send(10)
-    with running_worker(broker):
+    with running_worker(broker, threads=2):
         broker.join(work.queue_name, timeout=30_000)
     assert sorted(seen) == list(range(11))
 
@@ -471,6 +441,6 @@ def test_consumers_vacuum_the_table_after_many_claims(broker: PostgresBroker, mo
 
     assert vacuums() == 0
     broker.enqueue_many([work.message(n) for n in range(50)])
-    with running_worker(broker):
+    with running_worker(broker, threads=2):
         broker.join(work.queue_name, timeout=30_000)
         wait_for(lambda: vacuums() > 0, what="a vacuum by the lease keeper")
