@@ -33,7 +33,7 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, Connections
+from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, Connections, write_pending
 from .sql import check_schema, rate_limits_channel, statements
 
 if TYPE_CHECKING:
@@ -112,7 +112,12 @@ class PostgresBackend(RateLimiterBackend):
         return self._change(key, amount, _BIGINT_MIN, maximum, ttl)
 
     def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
-        """Subtract *amount* unless the value would fall below *minimum*; the key then lives *ttl* ms."""
+        """Subtract *amount* unless the value would fall below *minimum*; the key then lives *ttl* ms.
+
+        A worker thread's pending result is written first: a group member
+        counting itself done on a barrier must have its result visible.
+        """
+        write_pending()
         return self._change(key, -amount, minimum, _BIGINT_MAX, ttl)
 
     def _change(self, key: str, delta: int, low: int, high: int, ttl: int) -> bool:

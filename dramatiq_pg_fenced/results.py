@@ -20,8 +20,8 @@ By hand, the same is::
 
     broker = PostgresBroker(url)
     backend = PostgresBackend(broker=broker)
-    broker.add_middleware(Results(backend=backend))
     broker.add_middleware(GroupCallbacks(rate_limits.PostgresBackend(broker=broker)))
+    broker.add_middleware(Results(backend=backend))  # after GroupCallbacks: see below
 
 How it behaves, and why:
 
@@ -47,7 +47,11 @@ How it behaves, and why:
   middleware enqueues follow-ups (the next pipeline step, ``on_success``,
   group completion callbacks); when a follow-up is enqueued, the pending
   result is written first (fenced), so a follow-up always finds it, as with
-  Redis.  Stored exceptions (Dramatiq stores them after the nack, once
+  Redis.  So is it before a group member counts itself done on the group's
+  barrier (a rate-limit ``decr``): with ``Results`` added after
+  ``GroupCallbacks`` (as ``setup`` does; Dramatiq runs ``after_*`` hooks in
+  reverse order, so the result is stored first), the completion callback
+  runs only after every member's result is committed.  Stored exceptions (Dramatiq stores them after the nack, once
   retries are exhausted) go through the same writer right after the nack.
 - Without ``broker=``, every write happens at once in the calling thread,
   with the same fence.
@@ -290,7 +294,6 @@ class PostgresBackend(ResultBackend):
             pool_max_size=pool_max_size,
             purge_interval=purge_interval,
         )
-        self._local = threading.local()  # per worker thread: the message whose result waits for its ack
         if broker is not None:
             broker.add_middleware(WritePendingResults(self))
 
@@ -343,7 +346,7 @@ class PostgresBackend(ResultBackend):
         write = self._write_for(message, wrap_result(result), ttl)
         if self._held_by_broker(message):
             message.pending_result = write  # committed with the ack of this attempt
-            self._local.pending = message
+            _pending.item = (self, message)
         else:
             self._store_now(write, ["running"])
         self._db.maybe_purge(self.purge)
@@ -410,23 +413,14 @@ class PostgresBackend(ResultBackend):
                 conn.execute(self._sql.count_stale, [1])
         return False
 
-    def write_pending(self) -> None:
-        """Write now the result this thread's message still holds for its ack.
-
-        Called before a follow-up message is enqueued, so the follow-up finds
-        the result.  If the database is away, the ack still carries it.
-        """
-        message = getattr(self._local, "pending", None)
-        if message is None:
-            return
-        self._local.pending = None
+    def _write_pending(self, message: PostgresMessageProxy) -> None:
         write = message.pending_result
         if write is None or message.settled:
             return
         try:
             self._store_now(write, ["running"])
         except BrokerConnectionError:
-            return
+            return  # the ack still carries it
         message.pending_result = None
 
     # -- maintenance ----------------------------------------------------------------
@@ -439,6 +433,24 @@ class PostgresBackend(ResultBackend):
         self._db.close()
 
 
+_pending = threading.local()  # per worker thread: (backend, message) whose result waits for its ack
+
+
+def write_pending() -> None:
+    """Write now the result this thread's message still holds for its ack.
+
+    Called before anything another process acts on as "this message is
+    done": enqueueing a follow-up message, or counting down a group's
+    barrier.  If the database is away, the ack still carries the result.
+    """
+    item = getattr(_pending, "item", None)
+    if item is None:
+        return
+    _pending.item = None
+    backend, message = item
+    backend._write_pending(message)
+
+
 class WritePendingResults(Middleware):
     """Installed on the broker by :class:`PostgresBackend`: before a worker
     thread enqueues a follow-up message, it writes the result that would
@@ -448,8 +460,22 @@ class WritePendingResults(Middleware):
     def __init__(self, backend: PostgresBackend) -> None:
         self.backend = backend
 
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        from dramatiq.middleware import GroupCallbacks
+        from dramatiq.results import Results
+
+        kinds = [type(m) for m in broker.middleware]
+        group = next((i for i, k in enumerate(kinds) if issubclass(k, GroupCallbacks)), None)
+        results = next((i for i, k in enumerate(kinds) if issubclass(k, Results)), None)
+        if group is not None and results is not None and group > results:
+            # after_* hooks run in reverse order: GroupCallbacks would count down before Results stores.
+            self.backend.logger.warning(
+                "GroupCallbacks is added after Results: a group's completion callback may run before "
+                "the last member's result is stored. Add GroupCallbacks first (results.setup() does)."
+            )
+
     def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        self.backend.write_pending()
+        write_pending()
 
 
 def setup(
@@ -477,6 +503,8 @@ def setup(
     backend = PostgresBackend(broker=broker)
     if group_callbacks:
         broker.add_middleware(GroupCallbacks(RateLimiterBackend(broker=broker)))
+    # Added last, so its after_process_message runs first (Dramatiq runs them
+    # in reverse): a member's result is stored before it counts down its group.
     broker.add_middleware(Results(backend=backend, store_results=store_results, result_ttl=result_ttl))
     return broker, backend
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +19,7 @@ from helpers import running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker, rate_limits
+from dramatiq_pg_fenced.outcomes import OutcomeWriter
 from dramatiq_pg_fenced.results import PostgresBackend, setup
 
 App = Callable[..., tuple[PostgresBroker, PostgresBackend]]
@@ -178,6 +181,62 @@ def test_group_completion_callback_runs_once_and_sees_every_result(app: tuple[Po
         wait_for(lambda: len(calls) >= 2, what="both completion callbacks")
         broker.join("default", timeout=TIMEOUT)  # anything else they might have caused has run too
     assert sorted(calls) == sorted([[i * i for i in range(10)], [(i + 1) ** 2 for i in range(3)]])
+
+
+def test_group_completion_callback_waits_for_results_behind_slow_acks(
+    app: tuple[PostgresBroker, PostgresBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acks (which carry results) commit late; the callback must still see every member's result.
+
+    Regression: the last member released the barrier while earlier members'
+    results still waited in the outcome writer, and the callback read
+    "missing".  Each member now writes its result before counting down.
+    """
+    broker, backend = app
+    write = OutcomeWriter.write
+
+    def slow_write(self: OutcomeWriter, batch: list[Any]) -> None:
+        time.sleep(0.3)  # a slow commit, so that every ack is still in flight when the callback runs
+        write(self, batch)
+
+    monkeypatch.setattr(OutcomeWriter, "write", slow_write)
+    calls: list[Any] = []
+
+    @dramatiq.actor(store_results=True)
+    def square(x: int) -> int:
+        return x * x
+
+    @dramatiq.actor
+    def collect(children: list[dict[str, Any]]) -> None:
+        found = []
+        for child in children:
+            try:
+                found.append(Message(**child).get_result(backend=backend))
+            except ResultMissing:
+                found.append("missing")
+        calls.append(found)
+
+    with running_worker(broker):
+        for _ in range(3):
+            members = [square.message(i) for i in range(6)]
+            g = dramatiq.group(members)
+            g.add_completion_callback(collect.message([m.asdict() for m in members]))
+            g.run()
+        wait_for(lambda: len(calls) >= 3, what="three completion callbacks")
+        broker.join("default", timeout=TIMEOUT)
+    assert calls == [[i * i for i in range(6)]] * 3
+
+
+def test_group_callbacks_after_results_is_warned_about(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = dramatiq_pg_broker_factory()
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend))
+    broker.add_middleware(GroupCallbacks(rate_limits.PostgresBackend(broker=broker)))
+    with caplog.at_level(logging.WARNING), running_worker(broker):
+        pass
+    assert "GroupCallbacks is added after Results" in caplog.text
 
 
 def test_group_completion_callback_needs_the_middleware(make_app: App) -> None:
