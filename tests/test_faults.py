@@ -232,7 +232,8 @@ def test_paused_worker_cannot_finalize_after_takeover(fault_env: Callable[..., E
 # -- 2. SIGKILL storm ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
-    """2000 messages while two worker processes are SIGKILLed and restarted, one every 1-2 s."""
+    """2000 messages while two worker processes are SIGKILLed and restarted, one every 1-2 s, and at
+    least at every 15% of progress (so a fast run still sees its kills)."""
     broker, ledger, workers = fault_env(lease_seconds=2, threads=4)
     messages = work_messages(2000, 0.01)
     for i in range(0, len(messages), 500):
@@ -241,20 +242,25 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
     rng = random.Random()
     kills = 0
     deadline = time.monotonic() + 180
+    milestones = [len(messages) * p // 100 for p in (10, 25, 40, 55, 70, 85)]
+    next_kill = time.monotonic() + rng.uniform(1.0, 2.0)
 
     def pending() -> int:
         states = ledger.rows_by_state()
         return states.get("queued", 0) + states.get("running", 0)
 
-    while pending():
+    while left := pending():
         assert time.monotonic() < deadline, f"not done after {kills} kills: {ledger.rows_by_state()}"
-        time.sleep(rng.uniform(1.0, 2.0))
-        if not pending():
-            break
-        i = rng.randrange(len(procs))
-        workers.kill(procs[i])
-        procs[i] = workers.start()
-        kills += 1
+        done = len(messages) - left
+        if time.monotonic() >= next_kill or (milestones and done >= milestones[0]):
+            while milestones and done >= milestones[0]:
+                milestones.pop(0)
+            i = kills % len(procs)  # the one that has run longest, so it holds messages
+            workers.kill(procs[i])
+            procs[i] = workers.start()
+            kills += 1
+            next_kill = time.monotonic() + rng.uniform(1.0, 2.0)
+        time.sleep(0.05)
     workers.stop_all()
 
     assert kills >= 3, "the storm was too short to mean anything; make the messages slower"
