@@ -94,7 +94,9 @@ class _ProcessState:
             given = broker._given_pool.conninfo
             conninfo = given() if callable(given) else given
         self.doorbell = (
-            Doorbell(conninfo, broker.channel, connect_timeout=broker.connect_timeout) if broker.listen else None
+            Doorbell(conninfo, broker.channel, connect_timeout=broker.connect_timeout, timed=True)
+            if broker.listen
+            else None
         )
         self.leases = Leases(broker)
         self.writer = OutcomeWriter(broker)
@@ -424,7 +426,6 @@ class PostgresBroker(Broker):
         if not items:
             return
         cols: list[list[Any]] = [[], [], [], [], [], []]
-        wake: set[str] = set()
         for message, delay in items:
             check_queue(message.queue_name)
             actor = self.actors.get(message.actor_name)
@@ -441,23 +442,21 @@ class PostgresBroker(Broker):
                 strict=True,
             ):
                 col.append(value)
-            if not delay:
-                wake.add(message.queue_name)
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
-            self._write_insert(caller_conn, cols, wake)  # the caller's transaction decides
+            self._write_insert(caller_conn, cols)  # the caller's transaction decides
             return
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
         # One statement, so autocommit makes it one round trip and one commit.
-        self._run(lambda conn: self._write_insert(conn, cols, wake))
+        self._run(lambda conn: self._write_insert(conn, cols))
 
-    def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]], wake: set[str]) -> None:
+    def _write_insert(self, conn: psycopg.Connection, cols: list[list[Any]]) -> None:
         if len(cols[0]) == 1:  # a plain send(): one row of scalars is cheaper than unnest
             statement = self._sql.enqueue_one if self.synchronous_commit else self._sql.enqueue_one_relaxed
-            conn.execute(statement, [*(col[0] for col in cols), self.channel, bool(wake) and self.listen])
+            conn.execute(statement, [*(col[0] for col in cols), self.channel, self.listen])
             return
         statement = self._sql.enqueue if self.synchronous_commit else self._sql.enqueue_relaxed
-        conn.execute(statement, [*cols, self.channel, bool(wake) and self.listen])
+        conn.execute(statement, [*cols, self.channel, self.listen])
 
     def _retry(self, message: PostgresMessageProxy, delay: int | None) -> PostgresMessageProxy:
         self.emit_before("enqueue", message, delay)

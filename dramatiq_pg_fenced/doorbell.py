@@ -1,7 +1,10 @@
 """LISTEN/NOTIFY doorbells: one listening connection per process and channel.
 
 Producers ring with a short key (a queue name, a result key), never a
-payload; ``"*"`` wakes everyone.  Waiters always re-check the database after
+payload; ``"*"`` wakes everyone.  On a *timed* channel (the broker's), the
+key may be followed by a tab and a number of milliseconds: "this key is due
+then" (a delayed message, a retry's backoff), and the key rings when that
+time has passed, so delays do not wait for the next poll.  Waiters always re-check the database after
 a wake-up and at least every poll interval, and every waiter is woken when
 the connection is (re)established, so a notification lost while nobody
 listened costs one check, never a message or a result.  The broker's
@@ -10,8 +13,10 @@ consumers, the results backend and the rate limiters all use this class.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,10 +27,15 @@ logger = logging.getLogger(__name__)
 
 
 class Doorbell:
-    def __init__(self, conninfo: str, channel: str, *, connect_timeout: int = 5) -> None:
+    #: Timers kept at most; beyond that the farthest wait for the poll.
+    MAX_TIMERS = 10_000
+
+    def __init__(self, conninfo: str, channel: str, *, connect_timeout: int = 5, timed: bool = False) -> None:
         self.conninfo = conninfo
         self.channel = channel
         self.connect_timeout = connect_timeout
+        self.timed = timed
+        self._timers: list[tuple[float, str]] = []  # (monotonic due time, key), a heap; listener thread only
         self._waiters: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -79,8 +89,7 @@ class Doorbell:
                     backoff = 0.1
                     self.ring()  # whatever was sent while we were not listening is found by one check
                     while not self._stopped.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            self.ring(note.payload)
+                        self._listen(conn)
             except psycopg.Error as e:
                 if self._stopped.is_set():
                     return  # closing: the server may go away first
@@ -88,3 +97,34 @@ class Doorbell:
                 self.ring()
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        """Deliver notifications for up to a second, or until the next timer is due; then ring due timers."""
+        until = time.monotonic() + 1.0
+        if self._timers:
+            until = min(until, self._timers[0][0])
+        for note in conn.notifies(timeout=max(until - time.monotonic(), 0.0)):
+            key, tab, wait_ms = note.payload.partition("\t")
+            if not (tab and self.timed):
+                self.ring(note.payload)
+                continue
+            try:
+                due = time.monotonic() + int(wait_ms) / 1000
+            except ValueError:
+                self.ring(key)
+                continue
+            self._add_timer(due, key)
+            if due < until:
+                break  # wait less: start over with the new first timer
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            self.ring(heapq.heappop(self._timers)[1])
+
+    def _add_timer(self, due: float, key: str) -> None:
+        if len(self._timers) >= self.MAX_TIMERS:
+            farthest = max(self._timers)
+            if due >= farthest[0]:
+                return  # the poll finds it
+            self._timers.remove(farthest)
+            heapq.heapify(self._timers)
+        heapq.heappush(self._timers, (due, key))

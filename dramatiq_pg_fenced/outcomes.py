@@ -166,6 +166,9 @@ class OutcomeWriter:
                     ],
                 ).fetchall()
                 applied.update(str(r[0]) for r in rows)
+                wakes = retry_wakes([o for o in retries if o.message_id in applied])
+                if wakes and broker.listen:
+                    conn.execute(stmts.notify, [broker.channel, wakes])
             stale = [
                 (o.kind, o.message_id, o.attempt) for o in batch if o.kind != "result" and o.message_id not in applied
             ]
@@ -204,6 +207,20 @@ class OutcomeWriter:
                 "Could not write %d result(s); they are dropped, the acks stand.", len(with_ack) + len(fenced)
             )
         return stale
+
+
+def retry_wakes(retries: list[Outcome]) -> list[str]:
+    """Doorbell payloads for re-queued messages: per queue, one for "due now" and one for the earliest backoff."""
+    now: set[str] = set()
+    later: dict[str, int] = {}
+    for o in retries:
+        if not o.queue_name:
+            continue
+        if o.delay_ms <= 0:
+            now.add(o.queue_name)
+        else:
+            later[o.queue_name] = min(o.delay_ms, later.get(o.queue_name, o.delay_ms))
+    return sorted(now) + [f"{queue}\t{ms}" for queue, ms in sorted(later.items())]
 
 
 def _result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:

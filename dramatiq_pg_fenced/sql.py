@@ -37,8 +37,9 @@ def check_queue(name: str) -> str:
 _TEMPLATES = {
     # -- enqueue ---------------------------------------------------------
     # One statement (one round trip, atomic even in autocommit): the rows and
-    # one NOTIFY per queue that got a message due now; the last parameter
-    # says whether to ring at all.  The arrays travel in binary (%b): no
+    # one NOTIFY per queue that got a message due now, one more ("queue<TAB>ms")
+    # per queue that got a delayed one, for the earliest (see doorbell.py);
+    # the last parameter says whether to ring at all.  The arrays travel in binary (%b): no
     # escaping of payloads on either side, which bulk enqueue feels most.
     "enqueue": """
         WITH ins AS (
@@ -51,9 +52,13 @@ _TEMPLATES = {
             ON CONFLICT (message_id) DO NOTHING
             RETURNING queue_name, available_at
         )
-        SELECT pg_notify(%s, q.queue_name)
-          FROM (SELECT DISTINCT queue_name FROM ins WHERE %s AND available_at <= now()) AS q
+        SELECT pg_notify(%s, CASE WHEN q.later
+                                  THEN q.queue_name || chr(9) || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
+                                  ELSE q.queue_name END)
+          FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
+                  FROM ins WHERE %s GROUP BY 1, 2) AS q
     """,
+    # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
     # -- claim -------------------------------------------------------------
     "claim": """

@@ -17,9 +17,11 @@ Factory = Callable[..., PostgresBroker]
 
 
 @contextmanager
-def running_worker(broker: PostgresBroker, threads: int = 4, prefetch: int | None = None) -> Iterator[dramatiq.Worker]:
+def running_worker(
+    broker: PostgresBroker, threads: int = 4, prefetch: int | None = None, timeout: int = 100
+) -> Iterator[dramatiq.Worker]:
     """An in-process Dramatiq worker on *broker*, stopped (gracefully) at the end."""
-    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=threads)
+    worker = dramatiq.Worker(broker, worker_timeout=timeout, worker_threads=threads)
     if prefetch is not None:
         worker.queue_prefetch = prefetch
     worker.start()

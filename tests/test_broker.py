@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +43,7 @@ def own_row_clock(broker: PostgresBroker) -> tuple[dt.datetime, dt.datetime, dt.
 
 @pytest.fixture
 def broker(dramatiq_pg_broker_factory: Factory) -> PostgresBroker:
-    """A broker that polls often (retries and delays do not ring the doorbell)."""
+    """A broker that polls often, so tests do not lean on the doorbell alone."""
     broker = dramatiq_pg_broker_factory(poll_interval=0.1)
     broker.add_middleware(CurrentMessage())
     dramatiq.set_broker(broker)
@@ -178,6 +179,40 @@ def test_delayed_messages_are_not_early(broker: PostgresBroker) -> None:
         assert available_at - enqueued_at == dt.timedelta(milliseconds=delay)
         assert started >= available_at
     assert broker.get_declared_delay_queues() == set()
+
+
+def test_delays_and_backoffs_ring_the_doorbell_when_due(dramatiq_pg_broker_factory: Factory) -> None:
+    """With polling and the worker's own timeout far away (30 s, 3 s), delayed messages and a retry's
+    backoff still start within a fraction of a second of being due: the enqueue and the retry
+    announce when they are due, and each process's listener rings the queue then."""
+    broker = dramatiq_pg_broker_factory(poll_interval=30)
+    broker.add_middleware(CurrentMessage())
+    dramatiq.set_broker(broker)
+    late: dict[str, list[float]] = {"delay": [], "backoff": []}
+    failed: set[str] = set()
+
+    @dramatiq.actor
+    def later() -> None:
+        _, available_at, started = own_row_clock(broker)
+        late["delay"].append((started - available_at).total_seconds())
+
+    @dramatiq.actor(max_retries=1, min_backoff=500, max_backoff=500)
+    def flaky() -> None:
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        if message.message_id not in failed:
+            failed.add(message.message_id)
+            raise RuntimeError("first attempt fails")
+        _, available_at, started = own_row_clock(broker)  # the retry set available_at to the end of its backoff
+        late["backoff"].append((started - available_at).total_seconds())
+
+    with running_worker(broker, timeout=3_000):
+        time.sleep(0.5)  # the listener is up
+        for delay in (400, 800, 1200, 1600):
+            later.send_with_options(delay=delay)
+        flaky.send()
+        wait_for(lambda: len(late["delay"]) == 4 and len(late["backoff"]) == 1, 20, "the delayed runs")
+    assert all(0 <= s < 0.5 for s in late["delay"] + late["backoff"]), late
 
 
 def test_delayed_message_waits_in_the_table(broker: PostgresBroker) -> None:

@@ -143,7 +143,7 @@ def test_enqueue_many_with_delay_waits_in_the_table(broker: PostgresBroker) -> N
     assert early == 3
 
 
-def test_enqueue_many_rings_once_per_queue_with_due_messages(
+def test_enqueue_many_rings_once_per_queue(
     broker: PostgresBroker, listener: Callable[[PostgresBroker], Listener]
 ) -> None:
     @dramatiq.actor(queue_name="alpha")
@@ -162,10 +162,23 @@ def test_enqueue_many_rings_once_per_queue_with_due_messages(
     broker.enqueue_many([a.message(n) for n in range(20)] + [b.message(n) for n in range(20)])
     assert sorted(bell.drain()) == ["alpha", "beta"]  # coalesced: one NOTIFY per queue, not per row
 
-    broker.enqueue_many([c.message(1)], delay=60_000)
-    assert bell.drain() == []  # nothing due yet: the poll finds it later
+    def wait_ms(payload: str) -> int:
+        queue, tab, ms = payload.partition("\t")
+        assert (queue, tab) == ("gamma", "\t"), payload
+        return int(ms)
 
-    c.send(2)
+    # Delayed: one NOTIFY per queue saying when its earliest is due ("queue<TAB>ms"); the listener rings it then.
+    broker.enqueue_many([c.message(1), c.message(2)], delay=60_000)
+    (later,) = bell.drain()
+    assert 59_000 < wait_ms(later) <= 60_000
+    with broker.batch():  # one statement: one due now, two delayed
+        c.send(3)
+        for delay in (30_000, 20_000):
+            c.send_with_options(args=(4,), delay=delay)
+    now, later = sorted(bell.drain())
+    assert now == "gamma" and 19_000 < wait_ms(later) <= 20_000
+
+    c.send(5)
     assert bell.drain() == ["gamma"]
 
 
