@@ -100,6 +100,9 @@ class _ProcessState:
         )
         self.leases = Leases(broker)
         self.writer = OutcomeWriter(broker)
+        # Queues whose last claim failed in flight: it may have committed rows
+        # this process never saw.  The next claim of the queue releases them.
+        self.unsure_claims: set[str] = set()
 
     def close(self) -> None:
         self.writer.stop()

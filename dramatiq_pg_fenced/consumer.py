@@ -84,18 +84,15 @@ class PostgresConsumer(Consumer):
         limit = broker._leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
+        unsure = broker._state().unsure_claims
         try:
             with broker._pool_connection(raw=True) as conn:
-                rows = conn.execute(
-                    broker._sql.claim,
-                    {
-                        "queue": self.queue_name,
-                        "limit": limit,
-                        "lease": broker.lease_seconds,
-                        "consumer": broker.consumer_id,
-                    },
-                ).fetchall()
+                if self.queue_name in unsure:
+                    self._release_unseen(conn)
+                    unsure.discard(self.queue_name)
+                rows = self._claim_rows(conn, limit)
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            unsure.add(self.queue_name)
             raise ConnectionClosed(broker._describe(e)) from None
         rows.sort(key=lambda r: (r[3], r[4], r[5]))
         for message_id, attempt, payload, _, _, _ in rows:
@@ -111,6 +108,30 @@ class PostgresConsumer(Consumer):
                 continue
             message.options["attempt"] = attempt
             self.buffer.append(PostgresMessageProxy(message, attempt))
+
+    def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
+        broker = self.broker
+        params = {
+            "queue": self.queue_name,
+            "limit": limit,
+            "lease": broker.lease_seconds,
+            "consumer": broker.consumer_id,
+        }
+        return conn.execute(broker._sql.claim, params).fetchall()
+
+    def _release_unseen(self, conn: psycopg.Connection) -> None:
+        """After a claim that failed in flight: put back what it may have leased to us unseen."""
+        broker = self.broker
+        held = [mid for mid, (queue, _) in broker._leases.held().items() if queue == self.queue_name]
+        rows = conn.execute(broker._sql.release_unseen, [broker.consumer_id, self.queue_name, held]).fetchall()
+        if rows:
+            self.logger.warning(
+                "Released %d message(s) of queue %r leased by a claim whose response was lost.",
+                len(rows),
+                self.queue_name,
+            )
+            if broker.listen:
+                conn.execute(broker._sql.notify, [broker.channel, [self.queue_name]])
 
     def ack(self, message: MessageProxy) -> None:
         self._settle(message, "ack")

@@ -77,6 +77,15 @@ _TEMPLATES = {
          WHERE m.message_id = due.message_id
         RETURNING m.message_id, m.attempt, m.payload, m.priority, m.available_at, m.seq
     """,
+    # Rows a claim of ours leased but whose response never arrived: leased to
+    # this consumer for this queue, running, yet not held.  They go back now,
+    # not when their lease runs out; the next claim bumps the attempt.
+    "release_unseen": """
+        UPDATE {schema}.message
+           SET state = 'queued', available_at = now(), lease_expires_at = NULL, consumer_id = NULL
+         WHERE state = 'running' AND consumer_id = %s AND queue_name = %s AND message_id <> ALL(%s::uuid[])
+        RETURNING message_id
+    """,
     # -- fenced outcomes (batched: unnest of ids and attempts) ------------
     "ack": """
         DELETE FROM {schema}.message AS m

@@ -20,12 +20,14 @@ from typing import Any, NamedTuple
 
 import psycopg
 import pytest
+from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from helpers import wait_for
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.consumer import PostgresConsumer
 
 APP = "tests.apps.fault_app"
 
@@ -527,3 +529,59 @@ def test_attempt_numbers_only_grow(dramatiq_pg_broker_factory: Callable[..., Pos
     consumer.ack(fourth)
     broker._writer.flush(timeout=10)
     assert broker.inspect(mid) is None
+
+
+# -- a claim whose response is lost ------------------------------------------------------------
+def test_claim_with_lost_response_is_released_at_the_next_claim(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The claim commits but its response never arrives (the connection breaks in between).  The rows
+    it leased must not wait for their lease (60 s here): the next claim of the queue puts them back,
+    and they are delivered at once with a higher attempt.  What the process still holds stays held."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=60, poll_interval=0.1)
+    broker.declare_queue("lost")
+
+    def message() -> Message[Any]:
+        return Message(queue_name="lost", actor_name="nobody", args=(), kwargs={}, options={})
+
+    held, lost = message(), message()
+    broker.enqueue(held)
+    consumer = broker.consume("lost", prefetch=4, timeout=100)
+    first = wait_for(lambda: next(consumer), 30, "the first delivery")
+    assert first.message_id == held.message_id
+
+    real = PostgresConsumer._claim_rows
+    calls = 0
+
+    def claim_then_lose_the_response(self: PostgresConsumer, conn: psycopg.Connection, limit: int) -> list[tuple]:
+        nonlocal calls
+        calls += 1
+        rows = real(self, conn, limit)
+        if calls == 1:
+            assert [str(r[0]) for r in rows] == [lost.message_id]  # the claim committed
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return rows
+
+    monkeypatch.setattr(PostgresConsumer, "_claim_rows", claim_then_lose_the_response)
+    broker.enqueue(lost)
+    with pytest.raises(ConnectionClosed):
+        while next(consumer) is None:
+            pass
+    info = broker.inspect(lost.message_id)
+    assert info is not None and (info["state"], info["attempt"]) == ("running", 1)
+
+    consumer = broker.consume("lost", prefetch=4, timeout=100)  # as Dramatiq's worker does after an error
+    start = time.monotonic()
+    with caplog.at_level("WARNING"):
+        again = wait_for(lambda: next(consumer), 30, "the lost message's redelivery")
+    assert time.monotonic() - start < 10  # not the 60 s lease
+    assert (again.message_id, again.attempt) == (lost.message_id, 2)
+    assert "leased by a claim whose response was lost" in caplog.text
+    info = broker.inspect(held.message_id)
+    assert info is not None and (info["state"], info["attempt"]) == ("running", 1)  # still ours, untouched
+    consumer.ack(first)
+    consumer.ack(again)
+    broker._writer.flush(timeout=10)
+    assert broker.inspect(held.message_id) is None and broker.inspect(lost.message_id) is None
