@@ -26,7 +26,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import migrations
 from .consumer import PostgresConsumer, PostgresMessageProxy
 from .doorbell import Doorbell
-from .errors import DeadLetterError, PayloadTooLarge
+from .errors import DeadLetterError, PayloadTooLarge, describe_failure, lost_connection
 from .leases import Leases
 from .outcomes import Outcome, OutcomeWriter, describe
 from .sql import check_queue, check_schema, statements
@@ -200,7 +200,7 @@ class PostgresBroker(Broker):
         return doorbell.subscribe(queue_name) if doorbell is not None else None
 
     def _describe(self, error: BaseException) -> str:
-        """A connection error, naming the server but never the password."""
+        """An operational error, naming the server but never the password."""
         try:
             info = conninfo_to_dict(self.url)
         except psycopg.Error:
@@ -212,11 +212,11 @@ class PostgresBroker(Broker):
                 psycopg.connect(self.url, connect_timeout=self.connect_timeout).close()
             except psycopg.Error as direct:
                 error = direct
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = describe_failure(error, where)
         password = info.get("password")
         if password:
             text = text.replace(str(password), "***")
-        return f"cannot reach PostgreSQL at {where}: {text}"
+        return text
 
     @contextmanager
     def _pool_connection(self, *, raw: bool = False) -> Iterator[psycopg.Connection]:
@@ -234,7 +234,7 @@ class PostgresBroker(Broker):
                     proc.schema_checked = True
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            if not isinstance(e, PoolTimeout) and proc.owns_pool:
+            if lost_connection(e) and not isinstance(e, PoolTimeout) and proc.owns_pool:
                 # One broken connection usually means all idle ones are (server
                 # restart, pg_terminate_backend): drop them now, not one per retry.
                 with suppress(Exception):

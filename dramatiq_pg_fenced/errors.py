@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import psycopg
 from dramatiq.errors import BrokerError
+from psycopg_pool import PoolTimeout
 
 
 class SchemaError(BrokerError):
@@ -24,3 +26,27 @@ class DeadLetterError(BrokerError):
         super().__init__(f"message {message_id} was dead-lettered: {error}")
         self.message_id = message_id
         self.error = error
+
+
+#: Server errors that mean the connection itself is gone (shutdown, crash, restart).
+_CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
+
+
+def lost_connection(error: BaseException) -> bool:
+    """Did *error* cost us the connection (unlike, say, a lock or statement timeout on a live one)?"""
+    if isinstance(error, (psycopg.InterfaceError, PoolTimeout)):
+        return True
+    if not isinstance(error, psycopg.OperationalError):
+        return False
+    sqlstate = error.sqlstate
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+
+
+def describe_failure(error: BaseException, where: str = "") -> str:
+    """One line for an operational failure: "cannot reach" only when the connection is what failed."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    at = f" at {where}" if where else ""
+    if lost_connection(error):
+        return f"cannot reach PostgreSQL{at}: {text}"
+    sqlstate = getattr(error, "sqlstate", None)
+    return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"

@@ -81,6 +81,7 @@ from . import migrations
 from .broker import new_pool
 from .consumer import PostgresMessageProxy
 from .doorbell import Doorbell
+from .errors import describe_failure
 from .outcomes import Outcome, ResultWrite, describe
 from .sql import check_schema, results_channel, statements
 
@@ -179,8 +180,7 @@ class Connections:
                     self._checked = True
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConnectionClosed(f"cannot reach PostgreSQL: {text}") from None
+            raise ConnectionClosed(describe_failure(e)) from None
 
     def listener(self) -> Doorbell | None:
         if not self.listen:

@@ -7,9 +7,12 @@ import uuid
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from helpers import Factory, query
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
 
@@ -181,6 +184,32 @@ def test_unreachable_database_on_consume_and_migrate() -> None:
         assert_safe(info.value)
     finally:
         broker.close()
+
+
+def test_a_lock_timeout_is_not_reported_as_unreachable(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str
+) -> None:
+    """A live server refusing a statement (here: lock_timeout while another session locks the table)
+    is reported as what it is, and loses nothing: the same enqueue works once the lock is gone."""
+    broker = dramatiq_pg_broker_factory()
+    impatient = PostgresBroker(make_conninfo(dramatiq_pg_url, options="-c lock_timeout=100"), schema=broker.schema)
+    impatient.declare_queue("default")
+    message = message_for("x")
+    try:
+        with psycopg.connect(dramatiq_pg_url) as locker:  # a transaction holding the lock until the block ends
+            impatient.enqueue(message_for("warm-up"))  # the schema check and the pool are done
+            locker.execute(
+                sql.SQL("LOCK TABLE {}.message IN ACCESS EXCLUSIVE MODE").format(sql.Identifier(broker.schema))
+            )
+            with pytest.raises(BrokerConnectionError) as info:
+                impatient.enqueue(message)
+        text = str(info.value)
+        assert "cannot reach" not in text and "SQLSTATE 55P03" in text and "lock timeout" in text, text
+        assert count(broker) == 1
+        impatient.enqueue(message)
+        assert count(broker) == 2
+    finally:
+        impatient.close()
 
 
 # -- names --------------------------------------------------------------------------------------------
