@@ -9,7 +9,8 @@ worker's messages are claimable again within one rescue interval.  After
 every few thousand claims of this process it also vacuums the message table:
 claimed rows leave dead entries at the head of the claim index, and without
 this every claim of a long backlog steps over more of them until autovacuum
-comes by (once a minute with PostgreSQL's defaults).
+comes by (once a minute with PostgreSQL's defaults).  A role that may not
+vacuum the table (not its owner) leaves it to autovacuum, and says so once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Leases:
         self._last_purge = 0.0
         self._claims = 0  # since the last vacuum
         self._last_vacuum = 0.0
+        self._may_vacuum: bool | None = None
 
     # -- registry (called from consumer and worker threads) ---------------
     def hold(self, queue_name: str, message_id: str, attempt: int) -> None:
@@ -137,8 +139,7 @@ class Leases:
                 if self._claims >= VACUUM_AFTER_CLAIMS and time.monotonic() - self._last_vacuum > VACUUM_MIN_INTERVAL:
                     self._claims = 0
                     self._last_vacuum = time.monotonic()
-                    with broker._pool_connection(raw=True) as conn:
-                        conn.execute(broker._sql.vacuum)
+                    self.vacuum()
                 if time.monotonic() - self._last_purge > 60:
                     self._last_purge = time.monotonic()
                     with broker._pool_connection(raw=True) as conn:
@@ -147,6 +148,30 @@ class Leases:
                 self.logger.warning("Lease keeper could not reach the database: %s", e)
             except Exception:
                 self.logger.exception("Lease keeper failed; trying again.")
+
+    def may_vacuum(self) -> bool:
+        """Asked once per process: may this role vacuum the message table?"""
+        if self._may_vacuum is None:
+            broker = self.broker
+            with broker._pool_connection(raw=True) as conn:
+                row = conn.execute(broker._sql.may_vacuum, [f'"{broker.schema}".message']).fetchone()
+            self._may_vacuum = bool(row and row[0])
+            if not self._may_vacuum:
+                self.logger.info(
+                    "This database role may not VACUUM %s.message; workers leave it to autovacuum "
+                    "(a long backlog's claims may slow down between its runs).",
+                    broker.schema,
+                )
+        return self._may_vacuum
+
+    def vacuum(self) -> bool:
+        """Vacuum the message table if this role may; returns whether it did."""
+        if not self.may_vacuum():
+            return False
+        broker = self.broker
+        with broker._pool_connection(raw=True) as conn:
+            conn.execute(broker._sql.vacuum)
+        return True
 
     def extend(self) -> None:
         """Extend every lease this process holds, in one fenced statement."""

@@ -161,6 +161,16 @@ _TEMPLATES = {
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
     "vacuum": "VACUUM (SKIP_LOCKED) {schema}.message",
+    # Whether this role may vacuum the table (else VACUUM only warns): its
+    # owner's privileges, a superuser, or (PostgreSQL 17+) MAINTAIN.
+    "may_vacuum": """
+        SELECT pg_has_role(c.relowner, 'USAGE')
+            OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+            OR CASE WHEN current_setting('server_version_num')::int >= 170000
+                    THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END
+          FROM pg_class c
+         WHERE c.oid = to_regclass(%s)
+    """,
     "state_of": "SELECT state, attempt FROM {schema}.message WHERE message_id = %s",
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,

@@ -18,6 +18,7 @@ from dramatiq import group
 from dramatiq.middleware import Middleware
 from helpers import Factory, query, running_worker, wait_for
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
 
@@ -457,3 +458,35 @@ def test_consumers_vacuum_the_table_after_many_claims(broker: PostgresBroker, mo
     with running_worker(broker, threads=2):
         broker.join(work.queue_name, timeout=30_000)
         wait_for(lambda: vacuums() > 0, what="a vacuum by the lease keeper")
+
+
+def test_a_role_that_does_not_own_the_table_leaves_vacuum_to_autovacuum(
+    broker: PostgresBroker, dramatiq_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner vacuums; a role with only the privileges to work the queue does not try (VACUUM
+    would only print a PostgreSQL warning every time) and says so once."""
+    assert broker._leases.vacuum()
+    role = f"t_worker_{broker.schema}"
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        try:
+            schema = sql.Identifier(broker.schema)
+            admin.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(schema, sql.Identifier(role)))
+            grant = (
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}"  # ALL includes MAINTAIN (17+)
+            )
+            admin.execute(sql.SQL(grant).format(schema, sql.Identifier(role)))
+            worker = PostgresBroker(make_conninfo(dramatiq_pg_url, user=role), schema=broker.schema)
+            try:
+                with caplog.at_level("INFO"):
+                    assert not worker._leases.vacuum()
+                    assert not worker._leases.vacuum()
+                assert caplog.text.count("may not VACUUM") == 1
+                worker.declare_queue("default")
+                worker.enqueue(dramatiq.Message(queue_name="default", actor_name="x", args=(), kwargs={}, options={}))
+            finally:
+                worker.close()
+        finally:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    assert query(broker, "SELECT count(*) FROM {schema}.message")[0][0] == 1
