@@ -82,7 +82,7 @@ _TEMPLATES = {
     # not when their lease runs out; the next claim bumps the attempt.
     "release_unseen": """
         UPDATE {schema}.message
-           SET state = 'queued', available_at = now(), lease_expires_at = NULL, consumer_id = NULL
+           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
          WHERE state = 'running' AND consumer_id = %s AND queue_name = %s AND message_id <> ALL(%s::uuid[])
         RETURNING message_id
     """,
@@ -113,7 +113,7 @@ _TEMPLATES = {
     """,
     "requeue": """
         UPDATE {schema}.message AS m
-           SET state = 'queued', available_at = now(), lease_expires_at = NULL, consumer_id = NULL
+           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
           FROM unnest(%s::uuid[], %s::int[]) AS o(id, attempt)
          WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
         RETURNING m.message_id
@@ -136,9 +136,11 @@ _TEMPLATES = {
     "counters": "SELECT name, value FROM {schema}.counter",
     # -- maintenance -------------------------------------------------------
     # Expired leases go back to the queue; the next claim bumps the attempt.
+    # Like requeue and release_unseen, this keeps available_at: the message
+    # takes its old place in the queue, not a place behind the backlog.
     "rescue": """
         UPDATE {schema}.message
-           SET state = 'queued', available_at = now(), lease_expires_at = NULL, consumer_id = NULL
+           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
          WHERE state = 'running' AND lease_expires_at < now()
         RETURNING message_id, queue_name, attempt
     """,

@@ -7,6 +7,7 @@ transactions; the assertions check it as well as the broker's rows.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import random
 import signal
@@ -37,6 +38,7 @@ class Entry(NamedTuple):
     attempt: int
     pid: int
     event: str
+    at: dt.datetime | None = None  # the database's clock_timestamp() when it was written
 
 
 class Ledger:
@@ -54,12 +56,12 @@ class Ledger:
         )
 
     def entries(self, message_id: str | None = None) -> list[Entry]:
-        query = sql.SQL("SELECT message_id, attempt, pid, event FROM {}.ledger").format(self.schema)
+        query = sql.SQL("SELECT message_id, attempt, pid, event, at FROM {}.ledger").format(self.schema)
         if message_id is None:
             rows = self.conn.execute(query + sql.SQL(" ORDER BY at")).fetchall()
         else:
             rows = self.conn.execute(query + sql.SQL(" WHERE message_id = %s ORDER BY at"), [message_id]).fetchall()
-        return [Entry(str(r[0]), r[1], r[2], r[3]) for r in rows]
+        return [Entry(str(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
 
     def find(self, message_id: str, attempt: int, event: str) -> Entry | None:
         for entry in self.entries(message_id):
@@ -174,6 +176,16 @@ def fault_env(
         env.ledger.conn.close()
 
 
+def process_tree(pid: int) -> list[int]:
+    """*pid* and its descendants (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return [pid] + [d for c in children for d in process_tree(c)]
+
+
 def stale_total(broker: PostgresBroker) -> int:
     return int(broker.stats()["totals"].get("stale_writes", 0))
 
@@ -245,6 +257,7 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
     kills = 0
     deadline = time.monotonic() + 180
     milestones = [len(messages) * p // 100 for p in (10, 25, 40, 55, 70, 85)]
+    killed_at: dict[int, dt.datetime] = {}
     next_kill = time.monotonic() + rng.uniform(1.0, 2.0)
 
     def pending() -> int:
@@ -258,6 +271,8 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
             while milestones and done >= milestones[0]:
                 milestones.pop(0)
             i = kills % len(procs)  # the one that has run longest, so it holds messages
+            for pid in process_tree(procs[i].pid):  # the CLI and its worker process
+                killed_at[pid] = dt.datetime.now(dt.timezone.utc)
             workers.kill(procs[i])
             procs[i] = workers.start()
             kills += 1
@@ -274,6 +289,18 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
     starts = Counter((e.message_id, e.attempt) for e in entries if e.event == "start")
     assert max(starts.values()) == 1
     assert max(attempt for _, attempt in starts) > 1, "no message was redelivered after a SIGKILL"
+    # Redelivery within lease + rescue + poll interval of the kill (plus slack for this shared machine):
+    # a rescued message goes back to its old place in the queue, not behind the backlog.
+    started = {(e.message_id, e.attempt): e for e in entries if e.event == "start"}
+    waits = [
+        (e.at - killed_at[before.pid]).total_seconds()
+        for (mid, attempt), e in started.items()
+        if (before := started.get((mid, attempt - 1))) is not None and before.pid in killed_at and e.at is not None
+    ]
+    assert waits, "no redelivery of a started message to measure"
+    bound = broker.lease_seconds + broker.rescue_interval + broker.poll_interval + 2.0
+    print(f"redelivery after SIGKILL: {len(waits)} messages, max {max(waits):.2f} s, bound {bound:.1f} s")
+    assert max(waits) <= bound, sorted(waits)[-10:]
 
 
 # -- 3. broken connections --------------------------------------------------------------------
@@ -585,3 +612,41 @@ def test_claim_with_lost_response_is_released_at_the_next_claim(
     consumer.ack(again)
     broker._writer.flush(timeout=10)
     assert broker.inspect(held.message_id) is None and broker.inspect(lost.message_id) is None
+
+
+def test_redelivered_messages_keep_their_place_in_the_queue(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+) -> None:
+    """A message released at shutdown, or whose lease expired, goes back where it was in the queue,
+    not behind everything enqueued since (a long backlog would otherwise delay its redelivery)."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=1, rescue_interval=0.2, poll_interval=0.1)
+    broker.declare_queue("place")
+
+    def message() -> Message[Any]:
+        return Message(queue_name="place", actor_name="nobody", args=(), kwargs={}, options={})
+
+    def first_delivery(b: PostgresBroker) -> Any:
+        consumer = b.consume("place", prefetch=1, timeout=100)
+        return consumer, wait_for(lambda: next(consumer), 30, "a delivery")
+
+    early = message()
+    broker.enqueue(early)
+    consumer, delivered = first_delivery(broker)
+    assert delivered.message_id == early.message_id
+    broker.enqueue_many([message() for _ in range(3)])
+    consumer.requeue([delivered])  # shutdown release
+    consumer.close()
+    consumer, delivered = first_delivery(broker)
+    assert (delivered.message_id, delivered.attempt) == (early.message_id, 2)
+
+    consumer.ack(delivered)
+    consumer.close()
+    holder = dramatiq_pg_broker_factory(schema=broker.schema, lease_seconds=1, rescue_interval=0.2)
+    holder.declare_queue("place")
+    _, held = first_delivery(holder)  # the oldest of the three
+    held_id = held.message_id
+    holder.close()  # stops extending without releasing: the lease expires
+    broker.enqueue_many([message() for _ in range(3)])
+    wait_for(lambda: (broker.inspect(held_id) or {}).get("state") == "queued", 30, "the lease to expire")
+    consumer, delivered = first_delivery(broker)
+    assert delivered.message_id == held_id and delivered.attempt == held.attempt + 1
