@@ -212,7 +212,7 @@ def test_delays_and_backoffs_ring_the_doorbell_when_due(dramatiq_pg_broker_facto
             later.send_with_options(delay=delay)
         flaky.send()
         wait_for(lambda: len(late["delay"]) == 4 and len(late["backoff"]) == 1, 20, "the delayed runs")
-    assert all(0 <= s < 0.5 for s in late["delay"] + late["backoff"]), late
+    assert all(0 <= s < 1.0 for s in late["delay"] + late["backoff"]), late  # without the ring: 1.4 s or more
 
 
 def test_delayed_message_waits_in_the_table(broker: PostgresBroker) -> None:
