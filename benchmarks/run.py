@@ -616,6 +616,10 @@ def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str
         size_after = driver.size()
         driver.vacuum()
         size_vacuumed = driver.size()
+        start = time.perf_counter()
+        driver.broker.compact()
+        compact_s = time.perf_counter() - start
+        size_compacted = driver.size()
         runs.setdefault(str(n), []).append(
             {
                 "enqueue_per_s": n / enqueue_s,
@@ -630,6 +634,8 @@ def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str
                 "size_with_backlog_bytes": size_backlog,
                 "size_after_drain_bytes": size_after,
                 "size_after_vacuum_bytes": size_vacuumed,
+                "size_after_compact_bytes": size_compacted,
+                "compact_seconds": compact_s,
             }
         )
         log(
@@ -638,6 +644,7 @@ def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str
             f"peak RSS {max(drain.peak_rss.values(), default=0) / 2**20:.0f} MB/process; "
             f"connections {max(drain.peak_connections.values(), default=0)}/process; "
             f"size {size_backlog / 2**20:.1f} MB -> {size_after / 2**20:.1f} MB -> {size_vacuumed / 2**20:.2f} MB (vacuum)"
+            f" -> {size_compacted / 2**20:.2f} MB (compact, {compact_s:.2f} s)"
         )
     result: dict[str, Any] = {}
     for key, done in runs.items():
@@ -740,15 +747,17 @@ def table(out: dict[str, Any]) -> str:
     if backlog:
         lines += [
             "",
-            "| ours, backlog | drain msg/s | peak RSS MB/process | connections/process | table+indexes with backlog | right after drain | after VACUUM |",
-            "|---|---|---|---|---|---|---|",
+            "| ours, backlog | drain msg/s | peak RSS MB/process | connections/process"
+            " | table+indexes with backlog | right after drain | after VACUUM | after compact() |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for n, f in backlog.items():
             lines.append(
                 f"| {int(n):,} | {fmt(f['drain_per_s'])} | {fmt(max(f['peak_rss_mb_per_process'].values(), default=0), 1)} "
                 f"| {max(f['peak_connections_per_process'].values(), default=0)} "
                 f"| {f['size_with_backlog_bytes'] / 2**20:.1f} MB | {f['size_after_drain_bytes'] / 2**20:.1f} MB "
-                f"| {f['size_after_vacuum_bytes'] / 2**20:.2f} MB |"
+                f"| {f['size_after_vacuum_bytes'] / 2**20:.2f} MB "
+                f"| {f.get('size_after_compact_bytes', 0) / 2**20:.2f} MB |"
             )
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in out["targets"]:
@@ -819,11 +828,11 @@ def chart(out: dict[str, Any], path: Path) -> None:
         ax = axes[1][2]
         rss = [max(backlog[n]["peak_rss_mb_per_process"].values(), default=0) for n in ns]
         sizes = [backlog[n]["size_with_backlog_bytes"] / 2**20 for n in ns]
-        after = [backlog[n]["size_after_vacuum_bytes"] / 2**20 for n in ns]
+        after = [backlog[n].get("size_after_compact_bytes", backlog[n]["size_after_vacuum_bytes"]) / 2**20 for n in ns]
         xs = list(range(len(ns)))
         ax.bar([x - 0.27 for x in xs], rss, 0.27, label="peak worker RSS/process", color="#6a994e")
         ax.bar(xs, sizes, 0.27, label="table+indexes with backlog", color="#bc6c25")
-        ax.bar([x + 0.27 for x in xs], after, 0.27, label="table+indexes drained, vacuumed", color="#dda15e")
+        ax.bar([x + 0.27 for x in xs], after, 0.27, label="table+indexes drained, compacted", color="#dda15e")
         ax.set_xticks(xs, [f"{int(n):,}" for n in ns])
         ax.set_title("ours: memory and table size")
         ax.set_ylabel("MB")

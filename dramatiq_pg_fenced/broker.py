@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
+from dramatiq.errors import BrokerError, ConnectionClosed, QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, MiddlewareError
@@ -652,6 +652,40 @@ class PostgresBroker(Broker):
             info["retries"] = None
             info["decode_error"] = str(e)
         return info
+
+    def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
+        """Give back the space a drained backlog left behind; returns the table's size before and after.
+
+        Workers reuse emptied pages anyway; this returns them to the file
+        system after a one-off spike.  It runs ``VACUUM (FULL)``, which locks
+        the message table (enqueues and claims wait) for as long as copying
+        its live rows takes: milliseconds when it is nearly empty, so run it
+        then.  It waits at most *lock_timeout* seconds for the lock and fails
+        rather than queue every worker behind it.  Needs the table's owner
+        (or ``MAINTAIN`` on PostgreSQL 17+).
+        """
+        table = f'"{self.schema}".message'
+
+        def size(conn: psycopg.Connection) -> int:
+            row = conn.execute(self._sql.message_size, [table]).fetchone()
+            return int(row[0]) if row and row[0] is not None else 0
+
+        with self._pool_connection() as conn:  # autocommit: VACUUM refuses to run in a transaction
+            before = size(conn)
+            try:
+                conn.execute(self._sql.lock_timeout, [f"{int(lock_timeout * 1000)}ms"])
+                conn.execute(self._sql.compact)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if lost_connection(e):
+                    raise
+                raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
+            except psycopg.Error as e:
+                raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
+            finally:
+                with suppress(psycopg.Error):
+                    conn.execute(self._sql.lock_timeout, ["0"])
+            after = size(conn)
+        return {"bytes_before": before, "bytes_after": after}
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process, totals from the database, and queue sizes."""

@@ -1,4 +1,4 @@
-"""``dramatiq-pg-fenced``: migrate the schema, cancel, inspect, show stats.
+"""``dramatiq-pg-fenced``: migrate the schema, cancel, inspect, show stats, compact.
 
 Workers are run with Dramatiq's own ``dramatiq`` command; this one only
 administers the database side.
@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="show a message's state, attempt, lease and last error")
     inspect.add_argument("message_id")
     commands.add_parser("stats", help="queue sizes by state and the stale-write counter")
+    commands.add_parser(
+        "compact", help="give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)"
+    )
     return parser
 
 
@@ -67,6 +70,9 @@ def _run(broker: PostgresBroker, args: argparse.Namespace) -> int:
             print(f"no message {args.message_id}", file=sys.stderr)
             return 1
         _print(info)
+        return 0
+    if args.command == "compact":
+        _print(broker.compact())
         return 0
     _print(broker.stats())
     return 0

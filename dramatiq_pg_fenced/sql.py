@@ -163,6 +163,13 @@ _TEMPLATES = {
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
     "vacuum": "VACUUM (SKIP_LOCKED) {schema}.message",
+    # compact(): give back what a drained backlog left allocated.  Plain
+    # VACUUM can neither shrink index files nor move the few live rows off
+    # the end of the heap; VACUUM FULL rewrites both, under an exclusive lock
+    # held as long as copying the live rows takes (short when near empty).
+    "message_size": "SELECT pg_total_relation_size(to_regclass(%s))",
+    "compact": "VACUUM (FULL) {schema}.message",
+    "lock_timeout": "SELECT set_config('lock_timeout', %s, false)",
     # Whether this role may vacuum the table (else VACUUM only warns): its
     # owner's privileges, a superuser, or (PostgreSQL 17+) MAINTAIN.
     "may_vacuum": """
