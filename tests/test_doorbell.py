@@ -1,0 +1,73 @@
+"""The LISTEN/NOTIFY doorbell on its own: plain keys ring at once, timed keys when due."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from dramatiq_pg_fenced.doorbell import Doorbell
+
+
+@pytest.fixture
+def bell(dramatiq_pg_url: str):
+    doorbell = Doorbell(dramatiq_pg_url, f"t_bell_{uuid.uuid4().hex[:8]}", timed=True)
+    yield doorbell
+    doorbell.stop()
+
+
+def notify(url: str, channel: str, payload: str) -> float:
+    """NOTIFY; returns the time just before it was sent."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        sent = time.monotonic()
+        conn.execute("SELECT pg_notify(%s, %s)", [channel, payload])
+    return sent
+
+
+def ready(bell: Doorbell, *keys: str) -> list[threading.Event]:
+    """Subscribe to *keys*, and wait out the listener's connect ring (it rings everyone once)."""
+    events = [bell.subscribe(key) for key in keys]
+    assert events[0].wait(10), "the listener did not connect"
+    time.sleep(0.2)
+    for event in events:
+        event.clear()
+    return events
+
+
+def test_a_timed_key_rings_when_due_not_before(bell: Doorbell, dramatiq_pg_url: str) -> None:
+    (event,) = ready(bell, "q")
+    sent = notify(dramatiq_pg_url, bell.channel, "q\t400")
+    assert not event.wait(0.3)  # not yet due
+    assert event.wait(2.0)
+    assert 0.4 <= time.monotonic() - sent < 1.0
+
+
+def test_a_plain_key_rings_at_once_and_others_stay_quiet(bell: Doorbell, dramatiq_pg_url: str) -> None:
+    event, other = ready(bell, "q", "other")
+    notify(dramatiq_pg_url, bell.channel, "q")
+    assert event.wait(2.0)
+    assert not other.is_set()
+
+
+def test_an_untimed_bell_takes_the_whole_payload_as_the_key(dramatiq_pg_url: str) -> None:
+    """Results and rate limits use arbitrary keys: a tab in one is not a due time."""
+    doorbell = Doorbell(dramatiq_pg_url, f"t_bell_{uuid.uuid4().hex[:8]}")
+    try:
+        (event,) = ready(doorbell, "key\t400")
+        notify(dramatiq_pg_url, doorbell.channel, "key\t400")
+        assert event.wait(0.3)
+    finally:
+        doorbell.stop()
+
+
+def test_at_most_max_timers_are_kept_the_farthest_give_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Doorbell, "MAX_TIMERS", 2)
+    doorbell = Doorbell("", "unused", timed=True)
+    doorbell._add_timer(30.0, "c")
+    doorbell._add_timer(10.0, "a")
+    doorbell._add_timer(20.0, "b")  # full: "c" (the farthest) gives way
+    doorbell._add_timer(40.0, "d")  # full and farther than all: left to the poll
+    assert sorted(doorbell._timers) == [(10.0, "a"), (20.0, "b")]
