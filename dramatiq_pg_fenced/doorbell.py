@@ -4,10 +4,11 @@ Producers ring with a short key (a queue name, a result key), never a
 payload; ``"*"`` wakes everyone.  On a *timed* channel (the broker's), the
 key may be followed by a tab and a number of milliseconds: "this key is due
 then" (a delayed message, a retry's backoff), and the key rings when that
-time has passed, so delays do not wait for the next poll.  Waiters always re-check the database after
-a wake-up and at least every poll interval, and every waiter is woken when
-the connection is (re)established, so a notification lost while nobody
-listened costs one check, never a message or a result.  The broker's
+time has passed, so delays do not wait for the next poll.  Waiters always
+re-check the database after a wake-up and at least every poll interval, and
+every waiter is woken when the connection is (re)established, so a
+notification lost while nobody listened costs one check, never a message or
+a result.  The broker's
 consumers, the results backend and the rate limiters all use this class.
 """
 
@@ -99,23 +100,20 @@ class Doorbell:
                 backoff = min(backoff * 2, 5.0)
 
     def _listen(self, conn: psycopg.Connection) -> None:
-        """Deliver notifications for up to a second, or until the next timer is due; then ring due timers."""
+        """Wait up to a second, or until the next timer is due, for one batch of notifications; ring them
+        and the due timers.  (One batch at a time: leaving psycopg's generator mid-batch would drop the rest.)"""
         until = time.monotonic() + 1.0
         if self._timers:
             until = min(until, self._timers[0][0])
-        for note in conn.notifies(timeout=max(until - time.monotonic(), 0.0)):
+        for note in conn.notifies(timeout=max(until - time.monotonic(), 0.0), stop_after=1):
             key, tab, wait_ms = note.payload.partition("\t")
             if not (tab and self.timed):
                 self.ring(note.payload)
                 continue
             try:
-                due = time.monotonic() + int(wait_ms) / 1000
+                self._add_timer(time.monotonic() + int(wait_ms) / 1000, key)
             except ValueError:
                 self.ring(key)
-                continue
-            self._add_timer(due, key)
-            if due < until:
-                break  # wait less: start over with the new first timer
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             self.ring(heapq.heappop(self._timers)[1])

@@ -52,6 +52,16 @@ def test_a_plain_key_rings_at_once_and_others_stay_quiet(bell: Doorbell, dramati
     assert not other.is_set()
 
 
+def test_a_timer_in_a_batch_does_not_swallow_the_rest_of_the_batch(bell: Doorbell, dramatiq_pg_url: str) -> None:
+    """One transaction, one packet: a timed key first, plain keys after it; the plain ones ring at once."""
+    timed, first, second = ready(bell, "q", "a", "b")
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p", [bell.channel, ["q\t600", "a", "b"]])
+    assert first.wait(0.4) and second.wait(0.4)
+    assert not timed.is_set()
+    assert timed.wait(2.0)
+
+
 def test_an_untimed_bell_takes_the_whole_payload_as_the_key(dramatiq_pg_url: str) -> None:
     """Results and rate limits use arbitrary keys: a tab in one is not a due time."""
     doorbell = Doorbell(dramatiq_pg_url, f"t_bell_{uuid.uuid4().hex[:8]}")
