@@ -8,6 +8,7 @@ and every later write for the delivery is fenced on it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -49,6 +50,11 @@ class PostgresConsumer(Consumer):
         self.timeout = timeout / 1000
         self.buffer: deque[PostgresMessageProxy] = deque()
         self.doorbell = broker._doorbell_event(queue_name)
+        # When the queue's next delayed row is due (monotonic; inf: none; None:
+        # unknown), so the wait ends then, heard of or not (rows delayed before
+        # this process listened, several delays in one enqueue_many, listen=False).
+        self.next_due: float | None = None
+        self._timed_seen = 0
         # The keeper also rescues other processes' expired leases: a consuming
         # process must run it even before it holds anything, or a message of a
         # dead or paused worker waits until some worker happens to claim.
@@ -74,6 +80,8 @@ class PostgresConsumer(Consumer):
                 self.broker._leases.wait_for_capacity(self.queue_name, self.prefetch, remaining)
                 continue
             wait = min(remaining, self.broker.poll_interval)
+            if self.next_due is not None:
+                wait = min(wait, max(self.next_due - time.monotonic(), 0.0))
             if self.doorbell is not None:
                 self.doorbell.wait(wait)
             else:
@@ -91,6 +99,10 @@ class PostgresConsumer(Consumer):
                     self._release_unseen(conn)
                     unsure.discard(self.queue_name)
                 rows = self._claim_rows(conn, limit)
+                if len(rows) < limit and self._due_unknown():
+                    row = conn.execute(broker._sql.next_due, {"queue": self.queue_name}).fetchone()
+                    seconds = row[0] if row else None
+                    self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
             unsure.add(self.queue_name)
             raise ConnectionClosed(broker._describe(e)) from None
@@ -108,6 +120,14 @@ class PostgresConsumer(Consumer):
                 continue
             message.options["attempt"] = attempt
             self.buffer.append(PostgresMessageProxy(message, attempt))
+
+    def _due_unknown(self) -> bool:
+        """Must the next due time be read again? Unknown, passed, or new delayed rows were announced."""
+        doorbell = self.broker._state().doorbell
+        timed = doorbell.timed_count(self.queue_name) if doorbell is not None else 0
+        changed = timed != self._timed_seen
+        self._timed_seen = timed
+        return self.next_due is None or self.next_due <= time.monotonic() or changed
 
     def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
         broker = self.broker

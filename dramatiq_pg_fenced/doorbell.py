@@ -37,6 +37,7 @@ class Doorbell:
         self.connect_timeout = connect_timeout
         self.timed = timed
         self._timers: list[tuple[float, str]] = []  # (monotonic due time, key), a heap; listener thread only
+        self._timed: dict[str, int] = {}  # per key: how many "due later" notifications arrived
         self._waiters: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -67,6 +68,10 @@ class Doorbell:
             yield event
         finally:
             self.unsubscribe(key, event)
+
+    def timed_count(self, key: str) -> int:
+        """How many "due later" notifications *key* got: a change means new delayed rows."""
+        return self._timed.get(key, 0)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -114,6 +119,8 @@ class Doorbell:
                 self._add_timer(time.monotonic() + int(wait_ms) / 1000, key)
             except ValueError:
                 self.ring(key)
+                continue
+            self._timed[key] = self._timed.get(key, 0) + 1
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             self.ring(heapq.heappop(self._timers)[1])

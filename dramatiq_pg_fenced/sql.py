@@ -77,6 +77,28 @@ _TEMPLATES = {
          WHERE m.message_id = due.message_id
         RETURNING m.message_id, m.attempt, m.payload, m.priority, m.available_at, m.seq
     """,
+    # Seconds until the queue's next delayed row is due (NULL: none), read
+    # after a claim comes back short.  One probe of the claim index per
+    # priority in use (a loose index scan), not a scan of the delayed rows.
+    "next_due": """
+        WITH RECURSIVE pr(priority) AS (
+            (SELECT priority FROM {schema}.message
+              WHERE queue_name = %(queue)s AND state = 'queued' ORDER BY priority LIMIT 1)
+            UNION ALL
+            SELECT (SELECT m.priority FROM {schema}.message AS m
+                     WHERE m.queue_name = %(queue)s AND m.state = 'queued' AND m.priority > pr.priority
+                     ORDER BY m.priority LIMIT 1)
+              FROM pr WHERE pr.priority IS NOT NULL
+        )
+        SELECT extract(epoch FROM min(nd.at) - clock_timestamp())::float8
+          FROM pr CROSS JOIN LATERAL (
+                SELECT m.available_at AS at FROM {schema}.message AS m
+                 WHERE m.queue_name = %(queue)s AND m.state = 'queued' AND m.priority = pr.priority
+                   AND m.available_at > now()
+                 ORDER BY m.available_at LIMIT 1
+               ) AS nd
+         WHERE pr.priority IS NOT NULL
+    """,
     # Rows a claim of ours leased but whose response never arrived: leased to
     # this consumer for this queue, running, yet not held.  They go back now,
     # not when their lease runs out; the next claim bumps the attempt.

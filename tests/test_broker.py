@@ -215,6 +215,33 @@ def test_delays_and_backoffs_ring_the_doorbell_when_due(dramatiq_pg_broker_facto
     assert all(0 <= s < 1.0 for s in late["delay"] + late["backoff"]), late  # without the ring: 1.4 s or more
 
 
+@pytest.mark.parametrize("listen", [True, False])
+def test_delays_nobody_heard_of_start_on_time(dramatiq_pg_broker_factory: Factory, listen: bool) -> None:
+    """Delayed rows no listener announced (sent before the worker started, several delays in one
+    statement, or no LISTEN at all) still start on time: after a short claim the consumer reads when
+    the queue's next delayed row is due and waits until then, not for the poll (30 s) or the
+    worker's timeout (3 s)."""
+    broker = dramatiq_pg_broker_factory(poll_interval=30, listen=listen)
+    broker.add_middleware(CurrentMessage())
+    dramatiq.set_broker(broker)
+    late: list[float] = []
+
+    @dramatiq.actor
+    def later(n: int) -> None:
+        _, available_at, started = own_row_clock(broker)
+        late.append((started - available_at).total_seconds())
+
+    for n, delay in enumerate((600, 1200)):  # before any worker listens
+        later.send_with_options(args=(n,), delay=delay)
+    with running_worker(broker, timeout=3_000):
+        time.sleep(0.3)
+        with broker.batch():  # one statement, three delays: a timer for the first one at most
+            for n, delay in enumerate((500, 900, 1300), start=2):
+                later.send_with_options(args=(n,), delay=delay)
+        wait_for(lambda: len(late) == 5, 20, "the delayed runs")
+    assert all(0 <= s < 1.0 for s in late), late  # without reading the next due time: 1.7 s or more
+
+
 def test_delayed_message_waits_in_the_table(broker: PostgresBroker) -> None:
     @dramatiq.actor
     def never_yet() -> None:
