@@ -34,7 +34,8 @@ big backlog (ours)
     process) and connections per process (``pg_stat_activity`` by
     ``application_name``), and the table size (``pg_total_relation_size``,
     indexes and TOAST included) with the backlog, right after the drain (the
-    workers' own vacuums included), and after one more plain ``VACUUM``.
+    workers' own vacuums included), after one more plain ``VACUUM``, and after
+    ``broker.compact()``.
 
 Results go to ``benchmarks/results/<full|quick>.json`` and ``.png``.
 """
