@@ -675,11 +675,9 @@ class PostgresBroker(Broker):
             try:
                 conn.execute(self._sql.lock_timeout, [f"{int(lock_timeout * 1000)}ms"])
                 conn.execute(self._sql.compact)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                if lost_connection(e):
-                    raise
-                raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
             except psycopg.Error as e:
+                if lost_connection(e):
+                    raise  # ConnectionClosed, as for every other call
                 raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
             finally:
                 with suppress(psycopg.Error):

@@ -83,9 +83,10 @@ class Leases:
                 self._settling[held[0]] += 1
                 self._freed.notify_all()
 
-    def outstanding(self, queue_name: str) -> int:
+    def holding(self, message_id: str) -> tuple[str, int] | None:
+        """(queue, attempt) of *message_id* if this process holds it."""
         with self._lock:
-            return self._per_queue[queue_name]
+            return self._held.get(message_id)
 
     def capacity(self, queue_name: str, prefetch: int) -> int:
         """How many more messages of the queue this process may claim.

@@ -386,7 +386,7 @@ class PostgresBackend(ResultBackend):
         proc = broker._proc
         if proc is None or proc.pid != os.getpid():
             return False
-        return proc.leases.held().get(message.message_id) == (message.queue_name, message.attempt)
+        return proc.leases.holding(message.message_id) == (message.queue_name, message.attempt)
 
     def _store_now(self, write: ResultWrite, states: list[str]) -> bool:
         """Write at once; fenced on the row being at the attempt in one of *states* when there is an attempt."""

@@ -54,6 +54,39 @@ def app(make_app: App) -> tuple[PostgresBroker, PostgresBackend]:
 TIMEOUT = 30_000  # ms, for blocking reads: generous, this machine is shared
 
 
+def math_actors() -> tuple[dramatiq.Actor, dramatiq.Actor]:
+    """``square`` and ``add``, storing results, on the broker set now."""
+
+    @dramatiq.actor(store_results=True)
+    def square(x: int) -> int:
+        return x * x
+
+    @dramatiq.actor(store_results=True)
+    def add(x: int, y: int = 0) -> int:
+        return x + y
+
+    return square, add
+
+
+def result_collector(backend: PostgresBackend, calls: list[Any]) -> dramatiq.Actor:
+    """An actor given messages' ``asdict()``: it appends their results, read without blocking
+    (every one must already be there), ``"missing"`` for any that is not."""
+    lock = threading.Lock()
+
+    @dramatiq.actor
+    def collect(children: list[dict[str, Any]]) -> None:
+        found = []
+        for child in children:
+            try:
+                found.append(Message(**child).get_result(backend=backend))
+            except ResultMissing:
+                found.append("missing")
+        with lock:
+            calls.append(found)
+
+    return collect
+
+
 def test_setup_wires_results_and_group_callbacks(app: tuple[PostgresBroker, PostgresBackend]) -> None:
     broker, backend = app
     assert broker.get_results_backend() is backend
@@ -123,14 +156,7 @@ def test_pipeline_stops_at_a_failure(app: tuple[PostgresBroker, PostgresBackend]
 
 def test_groups_with_get_results(app: tuple[PostgresBroker, PostgresBackend]) -> None:
     broker, backend = app
-
-    @dramatiq.actor(store_results=True)
-    def square(x: int) -> int:
-        return x * x
-
-    @dramatiq.actor(store_results=True)
-    def add(x: int, y: int = 0) -> int:
-        return x + y
+    square, add = math_actors()
 
     with running_worker(broker):
         g = dramatiq.group(
@@ -147,26 +173,8 @@ def test_groups_with_get_results(app: tuple[PostgresBroker, PostgresBackend]) ->
 def test_group_completion_callback_runs_once_and_sees_every_result(app: tuple[PostgresBroker, PostgresBackend]) -> None:
     broker, backend = app
     calls: list[Any] = []
-    lock = threading.Lock()
-
-    @dramatiq.actor(store_results=True)
-    def square(x: int) -> int:
-        return x * x
-
-    @dramatiq.actor(store_results=True)
-    def add(x: int, y: int = 0) -> int:
-        return x + y
-
-    @dramatiq.actor
-    def collect(children: list[dict[str, Any]]) -> None:
-        found = []
-        for child in children:  # no blocking: every result must already be there
-            try:
-                found.append(Message(**child).get_result(backend=backend))
-            except ResultMissing:
-                found.append("missing")
-        with lock:
-            calls.append(found)
+    square, add = math_actors()
+    collect = result_collector(backend, calls)
 
     with running_worker(broker):
         members = [square.message(i) for i in range(10)]
@@ -201,20 +209,8 @@ def test_group_completion_callback_waits_for_results_behind_slow_acks(
 
     monkeypatch.setattr(OutcomeWriter, "write", slow_write)
     calls: list[Any] = []
-
-    @dramatiq.actor(store_results=True)
-    def square(x: int) -> int:
-        return x * x
-
-    @dramatiq.actor
-    def collect(children: list[dict[str, Any]]) -> None:
-        found = []
-        for child in children:
-            try:
-                found.append(Message(**child).get_result(backend=backend))
-            except ResultMissing:
-                found.append("missing")
-        calls.append(found)
+    square, _ = math_actors()
+    collect = result_collector(backend, calls)
 
     with running_worker(broker):
         for _ in range(3):

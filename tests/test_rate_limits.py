@@ -6,7 +6,7 @@ import multiprocessing
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -31,6 +31,19 @@ def backend(dramatiq_pg_url: str, schema: str) -> Iterator[PostgresBackend]:
     backend = PostgresBackend(dramatiq_pg_url, schema=schema)
     yield backend
     backend.close()
+
+
+def contend(target: Callable[..., None], args: tuple, processes: int) -> list[Any]:
+    """Run *target*(*args, start, out) in *processes* fresh processes released at once; what each put in out."""
+    start, out = SPAWN.Event(), SPAWN.Queue()
+    children = [SPAWN.Process(target=target, args=(*args, start, out)) for _ in range(processes)]
+    for child in children:
+        child.start()
+    start.set()
+    results = [out.get(timeout=120) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    return results
 
 
 def rows(url: str, schema: str, text: str, params: Any = None) -> list[tuple]:
@@ -166,17 +179,7 @@ def _mutex_worker(url: str, schema: str, key: str, wanted: int, start: Any, out:
 
 def test_concurrent_limiter_of_one_never_runs_two_at_once(dramatiq_pg_url: str, schema: str) -> None:
     key, processes, wanted = f"mutex-{uuid.uuid4()}", 4, 15
-    start, out = SPAWN.Event(), SPAWN.Queue()
-    children = [
-        SPAWN.Process(target=_mutex_worker, args=(dramatiq_pg_url, schema, key, wanted, start, out))
-        for _ in range(processes)
-    ]
-    for child in children:
-        child.start()
-    start.set()
-    results = [out.get(timeout=120) for _ in children]
-    for child in children:
-        child.join(timeout=30)
+    results = contend(_mutex_worker, (dramatiq_pg_url, schema, key, wanted), processes)
     intervals = sorted(i for ledger, _ in results for i in ledger)
     assert len(intervals) == processes * wanted
     for (_, end), (begin, _) in zip(intervals, intervals[1:], strict=False):
@@ -221,17 +224,7 @@ def test_window_limiter_never_exceeds_its_window(dramatiq_pg_url: str, schema: s
     """Each grant saw at most limit - 1 earlier grants in its window, across processes."""
     rows(dramatiq_pg_url, schema, "CREATE TABLE {schema}.window_ledger (seq bigserial, key text, summed text[])")
     key, processes = f"window-{uuid.uuid4()}", 3
-    start, out = SPAWN.Event(), SPAWN.Queue()
-    children = [
-        SPAWN.Process(target=_window_worker, args=(dramatiq_pg_url, schema, key, 3.0, start, out))
-        for _ in range(processes)
-    ]
-    for child in children:
-        child.start()
-    start.set()
-    results = [out.get(timeout=120) for _ in children]
-    for child in children:
-        child.join(timeout=30)
+    results = contend(_window_worker, (dramatiq_pg_url, schema, key, 3.0), processes)
     granted = sum(g for g, _ in results)
     assert granted > 0 and sum(r for _, r in results) > 0
     ledger = rows(dramatiq_pg_url, schema, "SELECT seq, key, summed FROM {schema}.window_ledger ORDER BY seq")
@@ -252,14 +245,7 @@ def test_barrier_is_released_exactly_once(dramatiq_pg_url: str, schema: str, bac
     key, parties = f"barrier-{uuid.uuid4()}", 6
     assert Barrier(backend, key).create(parties)
     assert not Barrier(backend, key).create(parties)  # already there
-    start, out = SPAWN.Event(), SPAWN.Queue()
-    children = [SPAWN.Process(target=_barrier_party, args=(dramatiq_pg_url, schema, key, start, out)) for _ in range(6)]
-    for child in children:
-        child.start()
-    start.set()
-    released = [out.get(timeout=120) for _ in children]
-    for child in children:
-        child.join(timeout=30)
+    released = contend(_barrier_party, (dramatiq_pg_url, schema, key), 6)
     assert released.count(True) == 1
     assert released.count(False) == parties - 1
 

@@ -313,9 +313,10 @@ def test_stale_attempt_result_is_never_visible(dramatiq_pg_broker_factory: Facto
     assert backend_a.get_result(message) == "current"
 
 
-def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> None:
-    """With broker=, the result waits for the ack of its attempt and lands in the same transaction."""
-    broker = dramatiq_pg_broker_factory()
+def _one_delivery(factory: Factory) -> tuple[PostgresBroker, PostgresBackend, Message, Any, Any]:
+    """A broker with the backend, one message sent and delivered (by hand): broker, backend, message,
+    consumer, delivery."""
+    broker = factory()
     backend = PostgresBackend(broker=broker)
     broker.add_middleware(Results(backend=backend))
 
@@ -326,6 +327,12 @@ def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> Non
     message = work.send()
     consumer = broker.consume("default", prefetch=1, timeout=5000)
     proxy = wait_for(lambda: next(consumer), what="the delivery")
+    return broker, backend, message, consumer, proxy
+
+
+def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> None:
+    """With broker=, the result waits for the ack of its attempt and lands in the same transaction."""
+    broker, backend, message, consumer, proxy = _one_delivery(dramatiq_pg_broker_factory)
     backend.store_result(proxy, "done", 60_000)
     assert missing(backend, message)  # not before the ack...
     assert broker.inspect(message.message_id)["state"] == "running"
@@ -336,17 +343,7 @@ def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> Non
 
 
 def test_cancelled_running_message_stores_no_result(dramatiq_pg_broker_factory: Factory) -> None:
-    broker = dramatiq_pg_broker_factory()
-    backend = PostgresBackend(broker=broker)
-    broker.add_middleware(Results(backend=backend))
-
-    @dramatiq.actor(broker=broker, store_results=True)
-    def work() -> None:  # pragma: no cover - run by hand below
-        pass
-
-    message = work.send()
-    consumer = broker.consume("default", prefetch=1, timeout=5000)
-    proxy = wait_for(lambda: next(consumer), what="the delivery")
+    broker, backend, message, consumer, proxy = _one_delivery(dramatiq_pg_broker_factory)
     broker.cancel(message.message_id)  # the row keeps attempt 1, in state 'cancelled'
     backend.store_result(proxy, "too late", 60_000)
     consumer.ack(proxy)
