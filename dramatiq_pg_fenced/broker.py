@@ -174,6 +174,7 @@ class PostgresBroker(Broker):
         self._counts = {"stale_writes": 0, "cancelled_writes": 0}
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
         self._local = threading.local()  # per thread: an open batch() or transaction()
+        self._closing: list[Callable[[], None]] = []  # backends on our pool: their listeners stop with us
 
     # -- process state ------------------------------------------------------
     def _state(self) -> _ProcessState:
@@ -283,9 +284,11 @@ class PostgresBroker(Broker):
         return applied
 
     def close(self) -> None:
-        """Write pending outcomes, stop the background threads, close the pool."""
+        """Write pending outcomes, stop the background threads (those of backends on our pool too), close the pool."""
         with self._state_lock:
             proc, self._proc = self._proc, None
+        for close in self._closing:
+            close()
         if proc is not None and proc.pid == os.getpid():
             proc.close()
 

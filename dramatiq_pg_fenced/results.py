@@ -133,6 +133,8 @@ class Connections:
         self._listener: Doorbell | None = None
         self._checked = False
         self._next_purge = 0.0
+        if broker is not None:
+            broker._closing.append(self.close)  # nothing works on a closed broker's pool: stop with it
 
     @property
     def conninfo(self) -> str:

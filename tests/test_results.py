@@ -412,3 +412,19 @@ def test_schema_must_match_the_broker(dramatiq_pg_broker_factory: Factory) -> No
     broker = dramatiq_pg_broker_factory()
     with pytest.raises(ValueError, match="schema"):
         PostgresBackend(broker=broker, schema="elsewhere")
+
+
+def test_closing_the_broker_stops_the_listener_of_a_backend_on_its_pool(dramatiq_pg_broker_factory: Factory) -> None:
+    broker = dramatiq_pg_broker_factory()
+    backend = PostgresBackend(broker=broker)
+    broker.declare_queue("default")
+    message = dramatiq.Message(queue_name="default", actor_name="x", args=(), kwargs={}, options={})
+    with pytest.raises(ResultTimeout):
+        backend.get_result(message, block=True, timeout=200)  # starts the backend's LISTEN thread
+
+    def listening() -> bool:
+        return any(t.name == f"dramatiq-pg-{backend.channel}" for t in threading.enumerate())
+
+    assert listening()
+    broker.close()
+    wait_for(lambda: not listening(), 10, "the backend's listener to stop")
