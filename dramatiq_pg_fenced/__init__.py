@@ -1,7 +1,7 @@
 """dramatiq-pg-fenced: a PostgreSQL broker for Dramatiq with fenced deliveries."""
 
 from .broker import CancelOutcome, PostgresBroker
-from .consumer import PostgresMessageProxy
+from .delivery import PostgresMessageProxy
 from .errors import DeadLetterError, PayloadTooLarge, SchemaError
 
 __all__ = [

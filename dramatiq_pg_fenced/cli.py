@@ -14,7 +14,9 @@ from typing import Any
 
 from dramatiq.errors import BrokerError
 
-from .broker import DEFAULT_SCHEMA, PostgresBroker
+from . import __version__
+from .broker import PostgresBroker
+from .config import DEFAULT_SCHEMA
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("DATABASE_URL"),
         help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables)",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--schema", default=os.environ.get("DRAMATIQ_PG_SCHEMA", DEFAULT_SCHEMA))
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("migrate", help="create or upgrade the schema (idempotent, safe to run concurrently)")

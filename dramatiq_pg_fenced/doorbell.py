@@ -69,6 +69,11 @@ class Doorbell:
         finally:
             self.unsubscribe(key, event)
 
+    def has_waiters(self, key: str) -> bool:
+        """Is anyone subscribed to *key*?"""
+        with self._lock:
+            return bool(self._waiters.get(key))
+
     def timed_count(self, key: str) -> int:
         """How many "due later" notifications *key* got: a change means new delayed rows."""
         return self._timed.get(key, 0)

@@ -1,66 +1,108 @@
-"""Fenced outcome writes (ack, nack, retry), batched off the worker threads.
+"""Settling deliveries: fenced ack, nack, retry and requeue writes.
 
-Worker threads hand over an outcome and go back to work.  One writer thread
-per process flushes everything pending in one transaction, every statement
-fenced on ``(message_id, attempt, state = 'running')``.  When the database is
-away the same outcomes are written again with bounded backoff: the actor is
-never re-run for it, and if the lease lapses meanwhile the late write is
-fenced out and the message is redelivered (at-least-once).
+Worker threads hand over an :class:`Outcome` and go back to work (the
+delivery is then *settled*).  One writer thread per process flushes
+everything pending in one transaction, every statement fenced on
+``(message_id, attempt, state = 'running')``.  When the database is away the
+same outcomes are written again with bounded backoff: the actor is never
+re-run for it, and if the lease lapses meanwhile the late write is fenced out
+and the message is redelivered (at-least-once).  Requeue, the release of
+unstarted deliveries at shutdown, is written at once by the caller.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
+from dramatiq.message import Message
 
-from .sql import results_channel
-
-if TYPE_CHECKING:
-    from .broker import PostgresBroker
-
-
-@dataclass
-class ResultWrite:
-    """An actor's result for the results table (see results.py), written here.
-
-    Attached to an ack, it is written in the ack's transaction and only if the
-    ack applies.  As a ``"result"`` outcome (a stored exception, submitted
-    right after its nack) it is fenced on the row being at that attempt,
-    running or dead, so it lands only if its attempt's nack did.
-    """
-
-    key: str
-    message_id: str
-    attempt: int | None  # None: stored outside a delivery, not fenced
-    data: bytes
-    ttl_ms: int
+from .config import Settings
+from .database import Database
+from .delivery import PostgresMessageProxy, ResultWrite
+from .errors import PayloadTooLarge
+from .fencing import Miss, StaleWrites, Write
+from .leases import Leases
+from .sql import Statements, results_channel
 
 
 @dataclass
 class Outcome:
-    kind: str  # "ack" | "nack" | "retry" | "result"
+    """One delivery's outcome, on its way to the database."""
+
+    kind: Write  # ACK, NACK, RETRY or RESULT
     message_id: str
     attempt: int
     error: str | None = None
-    payload: bytes | None = None
-    delay_ms: int = 0
+    payload: bytes | None = None  # RETRY: the message as it goes back to the queue
+    delay_ms: int = 0  # RETRY: its backoff
     queue_name: str = ""
-    exception: BaseException | None = field(default=None, repr=False)
+    exception: BaseException | None = field(default=None, repr=False)  # NACK: for join(fail_fast=True)
     result: ResultWrite | None = field(default=None, repr=False)
+
+
+def retry_outcome(
+    message: PostgresMessageProxy, delay: int | None, encode: Callable[[Message], bytes], logger: logging.Logger
+) -> Outcome:
+    """The outcome of Dramatiq's Retries re-enqueueing *message*: back to the
+    queue with its new options, or dead-lettered if it can no longer be stored."""
+    error = message.error_text()
+    try:
+        payload = encode(message.message)
+    except PayloadTooLarge:
+        # Dramatiq's traceback option made it grow; last_error keeps the traceback anyway.
+        slim = {k: v for k, v in message.options.items() if k != "traceback"}
+        try:
+            payload = encode(dataclasses.replace(message.message, options=slim))
+        except PayloadTooLarge as e:
+            # Raising here would let the ack that follows drop the message: dead-letter it instead.
+            logger.error("Message %s cannot be retried: %s", message.message_id, e)
+            return Outcome(
+                Write.NACK,
+                message.message_id,
+                message.attempt,
+                error=f"retry refused: {e}\n{error}",
+                queue_name=message.queue_name,
+                exception=message.exception,
+            )
+    return Outcome(
+        Write.RETRY,
+        message.message_id,
+        message.attempt,
+        payload=payload,
+        delay_ms=max(int(delay or 0), 0),
+        error=error,
+        queue_name=message.queue_name,
+    )
 
 
 class OutcomeWriter:
     #: Longest pause between two tries while the database is away.
     MAX_BACKOFF = 5.0
 
-    def __init__(self, broker: PostgresBroker) -> None:
-        self.broker = broker
-        self.logger = broker.logger
+    def __init__(
+        self,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        leases: Leases,
+        stale: StaleWrites,
+        logger: logging.Logger,
+        on_dead: Callable[[str, BaseException | None], None],
+    ) -> None:
+        self.database = database
+        self.statements = statements
+        self.settings = settings
+        self.leases = leases
+        self.stale = stale
+        self.logger = logger
+        self.on_dead = on_dead
         self._pending: list[Outcome] = []
         self._cond = threading.Condition()
         self._busy = False
@@ -72,13 +114,13 @@ class OutcomeWriter:
         self._thread.start()
 
     def submit(self, outcome: Outcome) -> None:
-        self.broker._leases.finishing(outcome.message_id)
+        self.leases.settle(outcome.message_id)
         with self._cond:
             self._pending.append(outcome)
             self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted outcome is written or fenced out."""
+        """Wait until every submitted outcome is written or fenced out; ``False`` on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending or self._busy:
@@ -126,35 +168,31 @@ class OutcomeWriter:
             backoff = 0.05
             for outcome in batch:
                 self._retried.discard((outcome.message_id, outcome.attempt))
-                self.broker._leases.release(outcome.message_id, outcome.attempt)
+                self.leases.release(outcome.message_id, outcome.attempt)
             batch = []
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
 
     def write(self, batch: list[Outcome]) -> None:
-        broker = self.broker
-        stmts = broker._sql
-        by_kind: dict[str, list[Outcome]] = {"ack": [], "nack": [], "retry": [], "result": []}
+        stmts = self.statements
+        by_kind: dict[Write, list[Outcome]] = {Write.ACK: [], Write.NACK: [], Write.RETRY: [], Write.RESULT: []}
         for outcome in batch:
             by_kind[outcome.kind].append(outcome)
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
-        with broker._pool_connection(raw=True) as conn, conn.transaction():
+        with self.database.connection(raw=True) as conn, conn.transaction():
             applied: set[str] = set()
-            if by_kind["ack"]:
-                acks = by_kind["ack"]
+            if acks := by_kind[Write.ACK]:
                 rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.attempt for o in acks]]).fetchall()
                 applied.update(str(r[0]) for r in rows)
-            if by_kind["nack"]:
-                nacks = by_kind["nack"]
+            if nacks := by_kind[Write.NACK]:
                 rows = conn.execute(
                     stmts.nack,
                     [[o.message_id for o in nacks], [o.attempt for o in nacks], [o.error for o in nacks]],
                 ).fetchall()
                 applied.update(str(r[0]) for r in rows)
-            if by_kind["retry"]:
-                retries = by_kind["retry"]
+            if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
                     stmts.retry,
                     [
@@ -167,38 +205,41 @@ class OutcomeWriter:
                 ).fetchall()
                 applied.update(str(r[0]) for r in rows)
                 wakes = retry_wakes([o for o in retries if o.message_id in applied])
-                if wakes and broker.listen:
-                    conn.execute(stmts.notify, [broker.channel, wakes])
-            stale = [
-                (o.kind, o.message_id, o.attempt) for o in batch if o.kind != "result" and o.message_id not in applied
+                if wakes and self.settings.listen:
+                    conn.execute(stmts.notify, [self.settings.channel, wakes])
+            misses: list[Miss] = [
+                (o.kind, o.message_id, o.attempt)
+                for o in batch
+                if o.kind is not Write.RESULT and o.message_id not in applied
             ]
             if any(o.result is not None for o in batch):
-                stale += self._write_results(conn, by_kind, applied)
-            if stale:
-                broker._report_stale(conn, stale, retried=self._retried)
+                misses += self._write_results(conn, by_kind, applied)
+            self.stale.report(conn, misses, retried=self._retried)
         for outcome in batch:
-            if outcome.kind == "nack" and outcome.message_id in applied:
-                broker._remember_dead(outcome.message_id, outcome.exception)
+            if outcome.kind is Write.NACK and outcome.message_id in applied:
+                self.on_dead(outcome.message_id, outcome.exception)
 
     def _write_results(
-        self, conn: psycopg.Connection, by_kind: dict[str, list[Outcome]], applied: set[str]
-    ) -> list[tuple[str, str, int]]:
+        self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[str]
+    ) -> list[Miss]:
         """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones."""
-        stmts = self.broker._sql
-        channel = results_channel(self.broker.schema)
+        stmts = self.statements
+        channel = results_channel(self.settings.schema)
         # One row per key and statement (ON CONFLICT cannot touch a row twice).
-        with_ack = {o.result.key: o.result for o in by_kind["ack"] if o.result is not None and o.message_id in applied}
-        fenced = {o.result.key: o.result for o in by_kind["result"] if o.result is not None}
-        stale: list[tuple[str, str, int]] = []
+        with_ack = {
+            o.result.key: o.result for o in by_kind[Write.ACK] if o.result is not None and o.message_id in applied
+        }
+        fenced = {o.result.key: o.result for o in by_kind[Write.RESULT] if o.result is not None}
+        misses: list[Miss] = []
         try:
             with conn.transaction():  # a savepoint: a result that cannot be written must not undo the acks
                 if with_ack:
-                    conn.execute(stmts.result_store, {**_result_params(with_ack.values()), "channel": channel})
+                    conn.execute(stmts.result_store, {**result_params(with_ack.values()), "channel": channel})
                 if fenced:
-                    params = {**_result_params(fenced.values()), "channel": channel, "states": ["running", "dead"]}
+                    params = {**result_params(fenced.values()), "channel": channel, "states": ["running", "dead"]}
                     written = {r[0] for r in conn.execute(stmts.result_store_fenced, params).fetchall()}
-                    stale = [
-                        ("result", w.message_id, w.attempt or 0) for key, w in fenced.items() if key not in written
+                    misses = [
+                        (Write.RESULT, w.message_id, w.attempt or 0) for key, w in fenced.items() if key not in written
                     ]
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise
@@ -206,7 +247,33 @@ class OutcomeWriter:
             self.logger.exception(
                 "Could not write %d result(s); they are dropped, the acks stand.", len(with_ack) + len(fenced)
             )
-        return stale
+        return misses
+
+    def requeue(self, proxies: list[PostgresMessageProxy]) -> set[str]:
+        """Release unstarted deliveries now, fenced; the attempt number and the place in line stay.
+
+        Returns the ids released.  Raises Dramatiq's ``ConnectionClosed`` when
+        the database cannot be reached (their leases then lapse).
+        """
+        ids = [p.message_id for p in proxies]
+        attempts = [p.attempt for p in proxies]
+
+        def release(conn: psycopg.Connection) -> set[str]:
+            rows = conn.execute(self.statements.requeue, [ids, attempts]).fetchall()
+            released = {str(r[0]) for r in rows}
+            self.stale.report(
+                conn, [(Write.REQUEUE, p.message_id, p.attempt) for p in proxies if p.message_id not in released]
+            )
+            if released and self.settings.listen:
+                conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])
+            return released
+
+        try:
+            return self.database.run(release, transaction=True)
+        finally:
+            for p in proxies:
+                p.settled = True
+                self.leases.release(p.message_id, p.attempt)
 
 
 def retry_wakes(retries: list[Outcome]) -> list[str]:
@@ -223,7 +290,7 @@ def retry_wakes(retries: list[Outcome]) -> list[str]:
     return sorted(now) + [f"{queue}\t{ms}" for queue, ms in sorted(later.items())]
 
 
-def _result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:
+def result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:
     writes = list(writes)
     return {
         "keys": [w.key for w in writes],
@@ -232,11 +299,3 @@ def _result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:
         "data": [w.data for w in writes],
         "ttls": [w.ttl_ms for w in writes],
     }
-
-
-def describe(outcome_kind: str, message_id: str, attempt: int, current: Any) -> str:
-    if current is None:
-        now = "the row is gone (finished by another attempt)"
-    else:
-        now = f"the row is at attempt {current[1]} in state {current[0]!r}"
-    return f"Stale {outcome_kind} of message {message_id} by attempt {attempt} ignored: {now}."

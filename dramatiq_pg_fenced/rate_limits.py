@@ -33,7 +33,16 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, Connections, write_pending
+from .config import (
+    DEFAULT_BACKEND_POOL_MAX_SIZE,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_POLL_INTERVAL,
+    DEFAULT_PURGE_INTERVAL,
+    DEFAULT_SCHEMA,
+)
+from .database import Database
+from .delivery import write_pending
+from .maintenance import PurgeSchedule
 from .sql import check_schema, rate_limits_channel, statements
 
 if TYPE_CHECKING:
@@ -71,8 +80,8 @@ class PostgresBackend(RateLimiterBackend):
         listen: bool | None = None,
         poll_interval: float | None = None,
         purge_interval: float = DEFAULT_PURGE_INTERVAL,
-        connect_timeout: int = 5,
-        pool_max_size: int = 4,
+        connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
+        pool_max_size: int = DEFAULT_BACKEND_POOL_MAX_SIZE,
     ) -> None:
         if broker is not None:
             schema = broker.schema if schema is None else schema
@@ -82,30 +91,33 @@ class PostgresBackend(RateLimiterBackend):
         self.listen = True if listen is None else listen
         self.poll_interval = float(poll_interval or DEFAULT_POLL_INTERVAL)
         self.channel = rate_limits_channel(self.schema)
-        self._sql = statements(self.schema)
+        self.statements = statements(self.schema)
         shared = broker if broker is not None and broker.schema == self.schema else None
         if broker is not None and shared is None and url is None and pool is None:
             url = broker.url  # same database, another schema: a pool of our own
-        self._db = Connections(
-            url=url,
-            pool=pool,
-            broker=shared,
-            schema=self.schema,
-            channel=self.channel,
-            listen=self.listen,
-            connect_timeout=connect_timeout,
-            pool_max_size=pool_max_size,
-            purge_interval=purge_interval,
+        self._owns_database = shared is None
+        self.database = (
+            shared.database
+            if shared is not None
+            else Database(
+                url,
+                pool=pool,
+                schema=self.schema,
+                connect_timeout=connect_timeout,
+                pool_max_size=pool_max_size,
+                name="rate-limits",
+            )
         )
+        self._purges = PurgeSchedule(self.database, self.statements.rate_limit_purge, purge_interval)
 
     def _one(self, statement: bytes, params: Any) -> Any:
-        self._db.maybe_purge(self.purge)
-        with self._db.connection() as conn:
+        self._purges.maybe()
+        with self.database.connection() as conn:
             return conn.execute(statement, params).fetchone()
 
     def add(self, key: str, value: int, ttl: int) -> bool:
         """Set *key* to *value* for *ttl* ms unless it exists (and has not expired)."""
-        return self._one(self._sql.rate_limit_add, {"key": key, "value": value, "ttl": ttl}) is not None
+        return self._one(self.statements.rate_limit_add, {"key": key, "value": value, "ttl": ttl}) is not None
 
     def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
         """Add *amount* unless the value would exceed *maximum*; the key then lives *ttl* ms."""
@@ -123,7 +135,7 @@ class PostgresBackend(RateLimiterBackend):
     def _change(self, key: str, delta: int, low: int, high: int, ttl: int) -> bool:
         # An absent key counts as 0: inserting *delta* is right only if delta
         # itself is in bounds; otherwise only an existing, live value can take it.
-        statement = self._sql.rate_limit_upsert if low <= delta <= high else self._sql.rate_limit_update
+        statement = self.statements.rate_limit_upsert if low <= delta <= high else self.statements.rate_limit_update
         params = {"key": key, "delta": delta, "low": low, "high": high, "ttl": ttl}
         return self._one(statement, params) is not None
 
@@ -136,10 +148,10 @@ class PostgresBackend(RateLimiterBackend):
         """
         summed = list(keys())
         wanted = sorted({key, *summed})
-        self._db.maybe_purge(self.purge)
+        self._purges.maybe()
         while True:
             try:
-                with self._db.connection() as conn, conn.transaction():
+                with self.database.connection() as conn, conn.transaction():
                     return self._incr_and_sum(conn, key, summed, wanted, amount, maximum, ttl)
             except (_Changed, psycopg.errors.DeadlockDetected):
                 continue
@@ -155,14 +167,14 @@ class PostgresBackend(RateLimiterBackend):
         ttl: int,
     ) -> bool:
         """One try, inside the caller's transaction (which holds the locks until it commits)."""
-        conn.execute(self._sql.rate_limit_placeholders, [wanted])
-        values: dict[str, int] = dict(conn.execute(self._sql.rate_limit_lock, [wanted]).fetchall())
+        conn.execute(self.statements.rate_limit_placeholders, [wanted])
+        values: dict[str, int] = dict(conn.execute(self.statements.rate_limit_lock, [wanted]).fetchall())
         if len(values) != len(wanted):
             raise _Changed
         value = values[key] + amount
         if value > maximum or amount + sum(values[k] for k in summed) > maximum:
             return False
-        conn.execute(self._sql.rate_limit_set, [value, ttl, key])
+        conn.execute(self.statements.rate_limit_set, [value, ttl, key])
         return True
 
     def wait(self, key: str, timeout: int | None) -> bool:
@@ -171,11 +183,11 @@ class PostgresBackend(RateLimiterBackend):
         An event notified earlier and not yet expired counts (as with Redis).
         """
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
-        listener = self._db.listener()
-        with listener.waiting(key) if listener is not None else nullcontext(Event()) as event:
+        doorbell = self.database.doorbell(self.channel) if self.listen else None
+        with doorbell.waiting(key) if doorbell is not None else nullcontext(Event()) as event:
             while True:
                 event.clear()
-                if self._one(self._sql.rate_limit_event, [key]) is not None:
+                if self._one(self.statements.rate_limit_event, [key]) is not None:
                     return True
                 remaining = self.poll_interval if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
@@ -184,15 +196,16 @@ class PostgresBackend(RateLimiterBackend):
 
     def wait_notify(self, key: str, ttl: int) -> None:
         """Record an event on *key* for *ttl* ms and wake every ``wait`` on it, in any process."""
-        self._one(self._sql.rate_limit_notify, {"key": key, "ttl": ttl, "channel": self.channel})
+        self._one(self.statements.rate_limit_notify, {"key": key, "ttl": ttl, "channel": self.channel})
 
     def purge(self) -> int:
         """Delete expired keys in bounded batches; returns how many."""
-        return self._db.purge(self._sql.rate_limit_purge)
+        return self._purges.purge()
 
     def close(self) -> None:
-        """Stop the listener and close the pool this backend made (not the broker's)."""
-        self._db.close()
+        """Stop the listener and close the pool this backend made (not the broker's: it closes them)."""
+        if self._owns_database:
+            self.database.close()
 
 
 __all__ = ["PostgresBackend"]

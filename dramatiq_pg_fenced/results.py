@@ -59,17 +59,12 @@ How it behaves, and why:
 
 from __future__ import annotations
 
-import logging
-import os
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from contextlib import nullcontext
+from typing import Any
 
-import psycopg
-from dramatiq.errors import BrokerConnectionError, ConnectionClosed
+from dramatiq.errors import BrokerConnectionError
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
 from dramatiq.results import ResultBackend, ResultMissing, ResultTimeout
@@ -77,161 +72,19 @@ from dramatiq.results.backend import DEFAULT_TIMEOUT, Missing
 from dramatiq.results.result import wrap_exception, wrap_result
 from psycopg_pool import ConnectionPool
 
-from . import migrations
-from .broker import new_pool
-from .consumer import PostgresMessageProxy
-from .doorbell import Doorbell
-from .errors import describe_failure
-from .outcomes import Outcome, ResultWrite, describe
+from .broker import PostgresBroker
+from .config import (
+    DEFAULT_BACKEND_POOL_MAX_SIZE,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_POLL_INTERVAL,
+    DEFAULT_PURGE_INTERVAL,
+    DEFAULT_SCHEMA,
+)
+from .database import Database
+from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, write_pending
+from .fencing import StaleWrites, State, Write
+from .maintenance import PurgeSchedule
 from .sql import check_schema, results_channel, statements
-
-if TYPE_CHECKING:
-    from .broker import PostgresBroker
-
-DEFAULT_SCHEMA = "dramatiq"
-DEFAULT_POLL_INTERVAL = 1.0
-DEFAULT_PURGE_INTERVAL = 60.0
-#: Rows deleted per purge statement (a purge runs a few of them).
-PURGE_BATCH = 1000
-
-logger = logging.getLogger(__name__)
-
-
-class Connections:
-    """Where a backend's queries go, and its listener.
-
-    With a broker: the broker's pool (already per process and fork-safe).
-    Otherwise a pool of our own (or the caller's), created lazily and again
-    after ``fork``, like the broker's.  Also runs the periodic purge.
-    """
-
-    def __init__(
-        self,
-        *,
-        url: str | None,
-        pool: ConnectionPool | None,
-        broker: PostgresBroker | None,
-        schema: str,
-        channel: str,
-        listen: bool,
-        connect_timeout: int,
-        pool_max_size: int,
-        purge_interval: float,
-    ) -> None:
-        self.url = url
-        self.given_pool = pool
-        self.broker = broker
-        self.schema = schema
-        self.channel = channel
-        self.listen = listen
-        self.connect_timeout = connect_timeout
-        self.pool_max_size = pool_max_size
-        self.purge_interval = purge_interval
-        self._lock = threading.Lock()
-        self._pid = -1
-        self._pool: ConnectionPool | None = None
-        self._listener: Doorbell | None = None
-        self._checked = False
-        self._next_purge = 0.0
-        if broker is not None:
-            broker._closing.append(self.close)  # nothing works on a closed broker's pool: stop with it
-
-    @property
-    def conninfo(self) -> str:
-        if self.broker is not None:
-            return self.broker.url
-        if self.url is not None:
-            return self.url
-        if self.given_pool is not None:
-            return str(self.given_pool.conninfo)
-        return ""
-
-    def _this_process(self) -> None:
-        """After fork the parent's pool and listener are not ours (nor ours to close)."""
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._pool = self._listener = None
-                    self._checked = False
-                    # Processes started together (the dramatiq CLI) spread their purges out.
-                    self._next_purge = time.monotonic() + random.random() * self.purge_interval
-                    self._pid = os.getpid()
-
-    def _own_pool(self) -> ConnectionPool:
-        if self.given_pool is not None:
-            return self.given_pool
-        with self._lock:
-            if self._pool is None:
-                self._pool = new_pool(
-                    self.url or "", max_size=self.pool_max_size, connect_timeout=self.connect_timeout, name=self.channel
-                )
-            return self._pool
-
-    @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
-        """A pooled autocommit connection; connection failures raise Dramatiq's ``ConnectionClosed``."""
-        if self.broker is not None:
-            with self.broker._pool_connection() as conn:
-                yield conn
-            return
-        self._this_process()
-        try:
-            with self._own_pool().connection() as conn:
-                if not self._checked:
-                    migrations.check(conn, self.schema)
-                    self._checked = True
-                yield conn
-        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            raise ConnectionClosed(describe_failure(e)) from None
-
-    def listener(self) -> Doorbell | None:
-        if not self.listen:
-            return None
-        self._this_process()
-        with self._lock:
-            if self._listener is None:
-                self._listener = Doorbell(self.conninfo, self.channel, connect_timeout=self.connect_timeout)
-            return self._listener
-
-    def purge(self, statement: bytes) -> int:
-        """Run a bounded-batch delete *statement* until it finds little left; returns rows deleted."""
-        total = 0
-        for _ in range(10):
-            with self.connection() as conn:
-                deleted = conn.execute(statement, [PURGE_BATCH]).rowcount
-            total += max(deleted, 0)
-            if deleted < PURGE_BATCH:
-                break
-        return total
-
-    def maybe_purge(self, purge: Callable[[], int]) -> None:
-        """Run *purge* in the background, at most once per ``purge_interval`` per process."""
-        self._this_process()
-        now = time.monotonic()
-        if now < self._next_purge:
-            return
-        with self._lock:
-            if now < self._next_purge:
-                return
-            self._next_purge = now + self.purge_interval
-
-        def run() -> None:
-            try:
-                purge()
-            except Exception as e:  # the next interval tries again
-                logger.warning("Purge of expired rows failed: %s", e)
-
-        threading.Thread(target=run, name="dramatiq-pg-purge", daemon=True).start()
-
-    def close(self) -> None:
-        with self._lock:
-            listener, pool = self._listener, self._pool
-            self._listener = self._pool = None
-            mine = self._pid == os.getpid()
-        if mine and listener is not None:
-            listener.stop()
-        if mine and pool is not None:
-            pool.close()
 
 
 class PostgresBackend(ResultBackend):
@@ -243,8 +96,8 @@ class PostgresBackend(ResultBackend):
       schema: where the tables live; the broker's schema (migration 002
         creates the ``result`` table next to the messages, whose rows fence
         the writes).  Defaults to the broker's, else ``"dramatiq"``.
-      broker: the :class:`PostgresBroker` that runs the actors: share its pool
-        and commit results with acks (see the module docstring).
+      broker: the :class:`PostgresBroker` that runs the actors: share its
+        database and commit results with acks (see the module docstring).
       namespace, encoder, use_namespace_prefix_keys: as Dramatiq's backends.
       listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
         blocking reads then poll.  Defaults to the broker's setting.
@@ -265,8 +118,8 @@ class PostgresBackend(ResultBackend):
         listen: bool | None = None,
         poll_interval: float | None = None,
         purge_interval: float = DEFAULT_PURGE_INTERVAL,
-        connect_timeout: int = 5,
-        pool_max_size: int = 4,
+        connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
+        pool_max_size: int = DEFAULT_BACKEND_POOL_MAX_SIZE,
     ) -> None:
         super().__init__(namespace=namespace, encoder=encoder, use_namespace_prefix_keys=use_namespace_prefix_keys)
         if broker is not None:
@@ -284,18 +137,21 @@ class PostgresBackend(ResultBackend):
         self.listen = True if listen is None else listen
         self.poll_interval = float(poll_interval or DEFAULT_POLL_INTERVAL)
         self.channel = results_channel(self.schema)
-        self._sql = statements(self.schema)
-        self._db = Connections(
-            url=url,
-            pool=pool,
-            broker=broker,
-            schema=self.schema,
-            channel=self.channel,
-            listen=self.listen,
-            connect_timeout=connect_timeout,
-            pool_max_size=pool_max_size,
-            purge_interval=purge_interval,
+        self.statements = statements(self.schema)
+        self.database = (
+            broker.database
+            if broker is not None
+            else Database(
+                url,
+                pool=pool,
+                schema=self.schema,
+                connect_timeout=connect_timeout,
+                pool_max_size=pool_max_size,
+                name="results",
+            )
         )
+        self.stale = StaleWrites(self.statements, self.logger)
+        self._purges = PurgeSchedule(self.database, self.statements.result_purge, purge_interval)
         if broker is not None:
             broker.add_middleware(WritePendingResults(self))
 
@@ -311,15 +167,15 @@ class PostgresBackend(ResultBackend):
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
         key = self.build_message_key(message)
-        self._db.maybe_purge(self.purge)
+        self._purges.maybe()
         if not block:
             data = self._get(key)
             if data is Missing:
                 raise ResultMissing(message)
             return self.unwrap_result(data)
         deadline = time.monotonic() + timeout / 1000
-        listener = self._db.listener()
-        with listener.waiting(key) if listener is not None else nullcontext(threading.Event()) as event:
+        doorbell = self.database.doorbell(self.channel) if self.listen else None
+        with doorbell.waiting(key) if doorbell is not None else nullcontext(threading.Event()) as event:
             while True:
                 event.clear()  # a notification from here on ends the wait below
                 data = self._get(key)
@@ -332,13 +188,13 @@ class PostgresBackend(ResultBackend):
         return self.unwrap_result(data)
 
     def _get(self, message_key: str) -> Any:
-        with self._db.connection() as conn:
-            row = conn.execute(self._sql.result_get, [message_key]).fetchone()
+        with self.database.connection() as conn:
+            row = conn.execute(self.statements.result_get, [message_key]).fetchone()
             if row is None:
                 return Missing
             data, live = row
             if not live:
-                conn.execute(self._sql.result_drop_expired, [message_key])
+                conn.execute(self.statements.result_drop_expired, [message_key])
                 return Missing
         return self.encoder.decode(bytes(data))
 
@@ -346,12 +202,12 @@ class PostgresBackend(ResultBackend):
     def store_result(self, message: Any, result: Any, ttl: int) -> None:
         """Store a result for *ttl* ms, fenced on the message's attempt (see the module docstring)."""
         write = self._write_for(message, wrap_result(result), ttl)
-        if self._held_by_broker(message):
+        if self.broker is not None and self.broker.holds(message):
             message.pending_result = write  # committed with the ack of this attempt
-            _pending.item = (self, message)
+            defer_pending(lambda: self._write_pending(message))
         else:
-            self._store_now(write, ["running"])
-        self._db.maybe_purge(self.purge)
+            self._store_now(write, [State.RUNNING])
+        self._purges.maybe()
 
     def store_exception(self, message: Any, exception: Exception, ttl: int) -> None:
         """Store an actor's exception for *ttl* ms; ``get_result`` raises ``ResultFailure`` for it."""
@@ -359,38 +215,25 @@ class PostgresBackend(ResultBackend):
         if self.broker is not None and isinstance(message, PostgresMessageProxy) and message.settled:
             # After the nack (Dramatiq's order): the same writer, so it lands
             # with or right after the nack, and only if the nack applied.
-            outcome = Outcome("result", message.message_id, message.attempt, queue_name=message.queue_name)
-            outcome.result = write
-            self.broker._writer.submit(outcome)
+            self.broker.submit_result(message, write)
         else:
-            self._store_now(write, ["running", "dead"])
-        self._db.maybe_purge(self.purge)
+            self._store_now(write, [State.RUNNING, State.DEAD])
+        self._purges.maybe()
 
     def _store(self, message_key: str, result: Any, ttl: int) -> None:
         """Dramatiq's low-level hook: an unfenced write under *message_key*."""
         self._store_now(ResultWrite(message_key, "", None, self.encoder.encode(result), int(ttl)), [])
 
     def _write_for(self, message: Any, wrapped: Any, ttl: int) -> ResultWrite:
-        attempt = message.options.get("attempt")
         return ResultWrite(
             key=self.build_message_key(message),
             message_id=str(message.message_id),
-            attempt=int(attempt) if attempt is not None else None,
+            attempt=attempt_of(message),
             data=self.encoder.encode(wrapped),
             ttl_ms=int(ttl),
         )
 
-    def _held_by_broker(self, message: Any) -> bool:
-        """Did our broker deliver this very attempt in this process (so its ack is still to come)?"""
-        broker = self.broker
-        if broker is None or not isinstance(message, PostgresMessageProxy) or message.settled:
-            return False
-        proc = broker._proc
-        if proc is None or proc.pid != os.getpid():
-            return False
-        return proc.leases.holding(message.message_id) == (message.queue_name, message.attempt)
-
-    def _store_now(self, write: ResultWrite, states: list[str]) -> bool:
+    def _store_now(self, write: ResultWrite, states: list[State]) -> bool:
         """Write at once; fenced on the row being at the attempt in one of *states* when there is an attempt."""
         params = {
             "keys": [write.key],
@@ -400,19 +243,13 @@ class PostgresBackend(ResultBackend):
             "ttls": [write.ttl_ms],
             "channel": self.channel,
         }
-        with self._db.connection() as conn:
+        with self.database.connection() as conn:
             if write.attempt is None:
-                return conn.execute(self._sql.result_store, params).fetchone() is not None
-            if conn.execute(self._sql.result_store_fenced, {**params, "states": states}).fetchone() is not None:
+                return conn.execute(self.statements.result_store, params).fetchone() is not None
+            fenced = {**params, "states": [s.value for s in states]}
+            if conn.execute(self.statements.result_store_fenced, fenced).fetchone() is not None:
                 return True
-            now = conn.execute(self._sql.state_of, [write.message_id]).fetchone()
-            if now is not None and now[0] == "cancelled":
-                self.logger.info(
-                    "Message %s was cancelled; the result of attempt %d is dropped.", write.message_id, write.attempt
-                )
-            else:
-                self.logger.warning(describe("result", write.message_id, write.attempt, now))
-                conn.execute(self._sql.count_stale, [1])
+            self.stale.report(conn, [(Write.RESULT, write.message_id, write.attempt)])
         return False
 
     def _write_pending(self, message: PostgresMessageProxy) -> None:
@@ -420,7 +257,7 @@ class PostgresBackend(ResultBackend):
         if write is None or message.settled:
             return
         try:
-            self._store_now(write, ["running"])
+            self._store_now(write, [State.RUNNING])
         except BrokerConnectionError:
             return  # the ack still carries it
         message.pending_result = None
@@ -428,29 +265,12 @@ class PostgresBackend(ResultBackend):
     # -- maintenance ----------------------------------------------------------------
     def purge(self) -> int:
         """Delete expired results, oldest first, in bounded batches; returns how many."""
-        return self._db.purge(self._sql.result_purge)
+        return self._purges.purge()
 
     def close(self) -> None:
-        """Stop the listener and close the pool this backend made (not the broker's)."""
-        self._db.close()
-
-
-_pending = threading.local()  # per worker thread: (backend, message) whose result waits for its ack
-
-
-def write_pending() -> None:
-    """Write now the result this thread's message still holds for its ack.
-
-    Called before anything another process acts on as "this message is
-    done": enqueueing a follow-up message, or counting down a group's
-    barrier.  If the database is away, the ack still carries the result.
-    """
-    item = getattr(_pending, "item", None)
-    if item is None:
-        return
-    _pending.item = None
-    backend, message = item
-    backend._write_pending(message)
+        """Stop the listener and close the pool this backend made (not the broker's: it closes them)."""
+        if self.broker is None:
+            self.database.close()
 
 
 class WritePendingResults(Middleware):
@@ -498,7 +318,6 @@ def setup(
     from dramatiq.middleware import GroupCallbacks
     from dramatiq.results import Results
 
-    from .broker import PostgresBroker
     from .rate_limits import PostgresBackend as RateLimiterBackend
 
     broker = PostgresBroker(url, schema=schema, **broker_options)

@@ -1,16 +1,38 @@
 """Every SQL statement the broker runs, in one place.
 
 Statements are templates over ``{schema}``; :func:`statements` binds them to
-a quoted schema identifier once per broker.  Values always travel as
-parameters.  Fenced statements carry ``attempt = %s AND state = 'running'``:
-zero rows back means the caller's attempt is stale.
+a quoted schema identifier once per schema, into a typed :class:`Statements`.
+Values always travel as parameters.  Fenced statements carry
+``attempt = %s AND state = 'running'``: zero rows back means the caller's
+attempt is stale.
+
+A message row moves between four states (:class:`~.fencing.State`).  Every
+legal transition, and the one statement that makes it:
+
+=========  =========  ===============  ==============================================
+from       to         statement        who, and the fence
+=========  =========  ===============  ==============================================
+(none)     queued     enqueue(_one)    a producer; ``ON CONFLICT DO NOTHING`` by id
+queued     running    claim            a consumer; attempt + 1, a lease
+running    (deleted)  ack              the outcome writer; fenced on the attempt
+running    dead       nack             the outcome writer; fenced on the attempt
+running    queued     retry            the outcome writer; fenced; new payload, due time
+running    queued     requeue          shutdown release; fenced; attempt and place kept
+running    queued     release_unseen   a consumer after a lost claim response; its rows only
+running    queued     rescue           maintenance; lease expired (any process)
+running    running    extend           the lease keeper; fenced; lease pushed out
+queued     cancelled  cancel           an operator; not fenced (administrative)
+running    cancelled  cancel           an operator; fences out that attempt's outcome
+dead       (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
+cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
+=========  =========  ===============  ==============================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import cache
-from types import SimpleNamespace
 
 from psycopg import sql
 
@@ -35,29 +57,6 @@ def check_queue(name: str) -> str:
 
 
 _TEMPLATES = {
-    # -- enqueue ---------------------------------------------------------
-    # One statement (one round trip, atomic even in autocommit): the rows and
-    # one NOTIFY per queue that got a message due now, one more ("queue<TAB>ms")
-    # per queue that got a delayed one, for the earliest (see doorbell.py);
-    # the last parameter says whether to ring at all.  The arrays travel in binary (%b): no
-    # escaping of payloads on either side, which bulk enqueue feels most.
-    "enqueue": """
-        WITH ins AS (
-            INSERT INTO {schema}.message
-                (message_id, queue_name, actor_name, priority, available_at, payload)
-            SELECT m.id, m.queue, m.actor, m.priority,
-                   now() + m.delay_ms * interval '1 millisecond', m.payload
-              FROM unnest(%b::uuid[], %b::text[], %b::text[], %b::int[], %b::bigint[], %b::bytea[])
-                   AS m(id, queue, actor, priority, delay_ms, payload)
-            ON CONFLICT (message_id) DO NOTHING
-            RETURNING queue_name, available_at
-        )
-        SELECT pg_notify(%s, CASE WHEN q.later
-                                  THEN q.queue_name || chr(9) || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
-                                  ELSE q.queue_name END)
-          FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
-                  FROM ins WHERE %s GROUP BY 1, 2) AS q
-    """,
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
     # -- claim -------------------------------------------------------------
@@ -100,12 +99,15 @@ _TEMPLATES = {
          WHERE pr.priority IS NOT NULL
     """,
     # Rows a claim of ours leased but whose response never arrived: leased to
-    # this consumer for this queue, running, yet not held.  They go back now,
-    # not when their lease runs out; the next claim bumps the attempt.
+    # the consumers whose claim failed in flight (each consumer has an id of
+    # its own, so a sibling's fresh claim is never touched), running, yet not
+    # held.  They go back now, not when their lease runs out; the next claim
+    # bumps the attempt.
     "release_unseen": """
         UPDATE {schema}.message
            SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
-         WHERE state = 'running' AND consumer_id = %s AND queue_name = %s AND message_id <> ALL(%s::uuid[])
+         WHERE state = 'running' AND consumer_id = ANY(%s::text[]) AND queue_name = %s
+           AND message_id <> ALL(%s::uuid[])
         RETURNING message_id
     """,
     # -- fenced outcomes (batched: unnest of ids and attempts) ------------
@@ -225,39 +227,52 @@ _TEMPLATES = {
 }
 
 
-#: ``enqueue`` for ``synchronous_commit=False``: set_config(..., true) is SET
-#: LOCAL, and lasts until the commit of the statement's own implicit
-#: transaction, so relaxed enqueues need no extra round trip either.
-_TEMPLATES["enqueue_relaxed"] = _TEMPLATES["enqueue"].replace(
-    "AS m(id, queue, actor, priority, delay_ms, payload)",
-    "AS m(id, queue, actor, priority, delay_ms, payload),\n"
-    "                   (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed",
+# -- enqueue, built from explicit pieces ---------------------------------------
+# One statement (one round trip, atomic even in autocommit): the rows and one
+# NOTIFY per queue that got a message due now, one more ("queue<TAB>ms") per
+# queue that got a delayed one, for the earliest (see doorbell.py); the last
+# parameter says whether to ring at all.  Values travel in binary (%b): no
+# escaping of payloads on either side, which bulk enqueue feels most.
+_ENQUEUE_ROWS = {
+    # many messages: arrays, one element per message
+    "many": "unnest(%b::uuid[], %b::text[], %b::text[], %b::int[], %b::bigint[], %b::bytea[])",
+    # one message (every plain send()): scalars, about a sixth less server time than unnest
+    "one": "(SELECT %b::uuid, %b::text, %b::text, %b::int, %b::bigint, %b::bytea)",
+}
+#: ``synchronous_commit=False``: set_config(..., true) is SET LOCAL and lasts
+#: until the commit of the statement's own implicit transaction, so relaxed
+#: enqueues need no extra round trip.
+_RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+
+
+def _enqueue(rows: str, *, relaxed: bool) -> str:
+    return f"""
+        WITH ins AS (
+            INSERT INTO {{schema}}.message
+                (message_id, queue_name, actor_name, priority, available_at, payload)
+            SELECT m.id, m.queue, m.actor, m.priority,
+                   now() + m.delay_ms * interval '1 millisecond', m.payload
+              FROM {_ENQUEUE_ROWS[rows]} AS m(id, queue, actor, priority, delay_ms, payload)
+                   {_RELAXED if relaxed else ""}
+            ON CONFLICT (message_id) DO NOTHING
+            RETURNING queue_name, available_at
+        )
+        SELECT pg_notify(%s, CASE WHEN q.later
+                                  THEN q.queue_name || chr(9) || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
+                                  ELSE q.queue_name END)
+          FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
+                  FROM ins WHERE %s GROUP BY 1, 2) AS q
+    """
+
+
+_TEMPLATES.update(
+    {
+        "enqueue": _enqueue("many", relaxed=False),
+        "enqueue_relaxed": _enqueue("many", relaxed=True),
+        "enqueue_one": _enqueue("one", relaxed=False),
+        "enqueue_one_relaxed": _enqueue("one", relaxed=True),
+    }
 )
-#: ``enqueue`` for one message (every plain ``send()``): scalars instead of
-#: unnest over arrays, about a sixth less time per send on the server.
-_TEMPLATES["enqueue_one"] = _TEMPLATES["enqueue"].replace(
-    "FROM unnest(%b::uuid[], %b::text[], %b::text[], %b::int[], %b::bigint[], %b::bytea[])\n"
-    "                   AS m(id, queue, actor, priority, delay_ms, payload)",
-    "FROM (SELECT %b::uuid, %b::text, %b::text, %b::int, %b::bigint, %b::bytea)\n"
-    "                   AS m(id, queue, actor, priority, delay_ms, payload)",
-)
-_TEMPLATES["enqueue_one_relaxed"] = _TEMPLATES["enqueue_one"].replace(
-    "AS m(id, queue, actor, priority, delay_ms, payload)",
-    "AS m(id, queue, actor, priority, delay_ms, payload),\n"
-    "                   (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed",
-)
-
-
-@cache
-def statements(schema: str) -> SimpleNamespace:
-    """The statements bound to *schema*, as bytes ready to execute."""
-    ident = sql.Identifier(check_schema(schema))
-    return SimpleNamespace(**{name: bind(text, ident) for name, text in _TEMPLATES.items()})
-
-
-def bind(text: str, schema: sql.Identifier) -> bytes:
-    """Put the quoted *schema* into a template; whitespace folded for the logs."""
-    return sql.SQL(" ".join(text.split())).format(schema=schema).as_string(None).encode()
 
 
 # -- results and rate limits (migration 002) ----------------------------------
@@ -387,3 +402,65 @@ def results_channel(schema: str) -> str:
 def rate_limits_channel(schema: str) -> str:
     """The NOTIFY channel of rate-limiter events (payload: the event key)."""
     return f"{check_schema(schema)}_rate_limits"
+
+
+@dataclasses.dataclass(frozen=True)
+class Statements:
+    """Every statement, bound to one schema: bytes ready to execute."""
+
+    notify: bytes
+    claim: bytes
+    next_due: bytes
+    release_unseen: bytes
+    ack: bytes
+    nack: bytes
+    retry: bytes
+    requeue: bytes
+    extend: bytes
+    current: bytes
+    count_stale: bytes
+    counters: bytes
+    rescue: bytes
+    purge_finished: bytes
+    cancel: bytes
+    vacuum: bytes
+    message_size: bytes
+    compact: bytes
+    lock_timeout: bytes
+    may_vacuum: bytes
+    state_of: bytes
+    inspect: bytes
+    flush: bytes
+    pending: bytes
+    dead_letters: bytes
+    queue_stats: bytes
+    enqueue: bytes
+    enqueue_relaxed: bytes
+    enqueue_one: bytes
+    enqueue_one_relaxed: bytes
+    result_get: bytes
+    result_drop_expired: bytes
+    result_store: bytes
+    result_store_fenced: bytes
+    result_purge: bytes
+    rate_limit_add: bytes
+    rate_limit_upsert: bytes
+    rate_limit_update: bytes
+    rate_limit_placeholders: bytes
+    rate_limit_lock: bytes
+    rate_limit_set: bytes
+    rate_limit_notify: bytes
+    rate_limit_event: bytes
+    rate_limit_purge: bytes
+
+
+@cache
+def statements(schema: str) -> Statements:
+    """The statements bound to *schema* (checked, quoted), built once per schema."""
+    ident = sql.Identifier(check_schema(schema))
+    return Statements(**{name: bind(text, ident) for name, text in _TEMPLATES.items()})
+
+
+def bind(text: str, schema: sql.Identifier) -> bytes:
+    """Put the quoted *schema* into a template; whitespace folded for the logs."""
+    return sql.SQL(" ".join(text.split())).format(schema=schema).as_string(None).encode()

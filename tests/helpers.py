@@ -46,6 +46,12 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "c
 def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
     """Run *text* with ``{schema}`` bound to the broker's schema."""
     stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         cur = conn.execute(stmt, params)
         return cur.fetchall() if cur.description else []
+
+
+def listening(backend: Any, key: str) -> bool:
+    """Does *backend* (results or rate limits) wait for a notification on *key* in this process?"""
+    doorbell = backend.database.started_doorbell(backend.channel)
+    return doorbell is not None and doorbell.has_waiters(key)

@@ -91,7 +91,7 @@ def test_compact_gives_back_what_a_drained_backlog_left(dramatiq_pg_url, dramati
     broker.declare_queue("default")
 
     def size():
-        return broker._run(
+        return broker.database.run(
             lambda conn: conn.execute("SELECT pg_total_relation_size(%s::regclass)", [f'"{schema}".message']).fetchone()
         )[0]
 

@@ -53,7 +53,7 @@ def test_undecodable_payload_is_dead_lettered_and_the_worker_goes_on(
     assert info["state"] == "dead" and info["attempt"] == 1
     assert info["last_error"].startswith("undecodable payload")
     assert "decode_error" in info  # inspect still describes the row
-    assert broker._leases.held() == {}
+    assert broker.parts.leases.snapshot() == {}
 
 
 def test_unknown_actor_is_dead_lettered_and_the_worker_goes_on(
@@ -135,8 +135,8 @@ def test_retry_that_outgrows_the_payload_limit_is_not_stuck(
         broker.join(flaky.queue_name, timeout=30_000)
     finally:
         worker.stop()
-    assert broker._writer.flush(10)
-    assert broker._leases.held() == {}
+    assert broker.flush_outcomes(10)
+    assert broker.parts.leases.snapshot() == {}
     info = broker.inspect(message.message_id)
     if outcome == "retried":
         assert info is None and len(calls) == 2
@@ -252,5 +252,5 @@ def test_valid_queue_names(dramatiq_pg_broker: PostgresBroker, name: str) -> Non
 def test_declare_queue_does_no_io() -> None:
     broker = PostgresBroker("postgresql://nobody@127.0.0.1:1/x", connect_timeout=1)
     broker.declare_queue("anything")
-    assert broker._proc is None  # no pool, no threads: nothing connected
+    assert not broker.started  # no pool, no threads: nothing connected
     broker.close()

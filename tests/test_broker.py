@@ -281,12 +281,12 @@ def test_priorities_order_the_claim(broker: PostgresBroker) -> None:
         assert {state for _, state, _ in rows(broker)} == {"queued", "running"}
         for m in first:
             consumer.ack(m)
-        broker._writer.flush(10)
+        broker.flush_outcomes(10)
         rest = [next(consumer) for _ in range(3)]
         assert [(m.actor_name, m.args[0]) for m in rest] == [("low", 0), ("low", 1), ("low", 2)]
         for m in rest:
             consumer.ack(m)
-        broker._writer.flush(10)
+        broker.flush_outcomes(10)
     finally:
         consumer.close()
     assert rows(broker) == []
@@ -427,13 +427,13 @@ def test_graceful_shutdown_returns_prefetched_messages_at_once(dramatiq_pg_broke
     release.set()  # the running message finishes; the prefetched one is never started
     stopper.join(60)
     assert not stopper.is_alive()
-    assert broker._writer.flush(10)
+    assert broker.flush_outcomes(10)
 
     left = rows(broker)
     assert all(state == "queued" for _, state, _ in left), left
     assert len(attempts) == 1 and len(left) == 4
     assert any(attempt == 1 for _, _, attempt in left)  # the prefetched one, released with its attempt kept
-    assert broker._leases.held() == {}
+    assert broker.parts.leases.snapshot() == {}
 
     # A new worker takes them, each delivery one attempt further.
     ran_before = dict(attempts)
@@ -599,7 +599,7 @@ def _send_and_receive(broker: PostgresBroker) -> None:
         message = next(consumer)
         assert message is not None and message.options["attempt"] == 1
         consumer.ack(message)
-        broker._writer.flush(10)
+        broker.flush_outcomes(10)
     finally:
         consumer.close()
 

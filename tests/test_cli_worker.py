@@ -21,7 +21,7 @@ def test_dramatiq_cli_worker_processes(
 ) -> None:
     broker = dramatiq_pg_broker_factory()
     schema = sql.Identifier(broker.schema)
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         conn.execute(
             sql.SQL(
                 "CREATE TABLE {}.ledger (n integer NOT NULL, pid integer NOT NULL, attempt integer NOT NULL)"
@@ -37,7 +37,7 @@ def test_dramatiq_cli_worker_processes(
     )
 
     def ledger() -> list[tuple[int, int, int]]:
-        with broker._pool_connection() as conn:
+        with broker.database.connection() as conn:
             return conn.execute(sql.SQL("SELECT n, pid, attempt FROM {}.ledger").format(schema)).fetchall()
 
     deadline = time.monotonic() + 60
@@ -60,7 +60,7 @@ def test_dramatiq_cli_worker_processes(
     assert {attempt for _, _, attempt in done} == {1}
     pids = {pid for _, pid, _ in done}
     assert cli.pid not in pids  # the work ran in the CLI's worker processes
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         left = conn.execute(sql.SQL("SELECT count(*) FROM {}.message").format(schema)).fetchone()
     assert left == (0,)
     assert "Traceback" not in log, log

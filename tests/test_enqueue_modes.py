@@ -255,10 +255,10 @@ def test_batch_that_raises_enqueues_nothing(broker: PostgresBroker) -> None:
 def orders(broker: PostgresBroker) -> Iterator[str]:
     """A business table next to the broker's tables."""
     name = f"{broker.schema}_orders"
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, total int)").format(sql.Identifier(name)))
     yield name
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
 
 
@@ -383,7 +383,7 @@ def test_synchronous_commit_applies_to_the_enqueuing_transaction_only(
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)  # gone with the transaction
 
     work.send(2)  # on the broker's one pooled connection, in autocommit
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)  # nothing leaked to claims and acks
     assert len(stored(broker)) == 2
 
@@ -436,10 +436,10 @@ def test_enqueue_hooks_keep_dramatiqs_order_and_error_handling(broker: PostgresB
 # -- what a drained backlog leaves behind ---------------------------------------------
 def test_consumers_vacuum_the_table_after_many_claims(broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch) -> None:
     """Claims leave dead claim-index entries behind; the keeper vacuums after enough of them."""
-    from dramatiq_pg_fenced import leases
+    from dramatiq_pg_fenced import maintenance
 
-    monkeypatch.setattr(leases, "VACUUM_AFTER_CLAIMS", 20)
-    monkeypatch.setattr(leases, "VACUUM_MIN_INTERVAL", 0.0)
+    monkeypatch.setattr(maintenance, "VACUUM_AFTER_CLAIMS", 20)
+    monkeypatch.setattr(maintenance, "VACUUM_MIN_INTERVAL", 0.0)
 
     @dramatiq.actor
     def work(n: int) -> None:
@@ -465,7 +465,7 @@ def test_a_role_that_does_not_own_the_table_leaves_vacuum_to_autovacuum(
 ) -> None:
     """The owner vacuums; a role with only the privileges to work the queue does not try (VACUUM
     would only print a PostgreSQL warning every time) and says so once."""
-    assert broker._leases.vacuum()
+    assert broker.parts.maintenance.vacuum()
     role = f"t_worker_{broker.schema}"
     with psycopg.connect(dramatiq_pg_url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
@@ -479,8 +479,8 @@ def test_a_role_that_does_not_own_the_table_leaves_vacuum_to_autovacuum(
             worker = PostgresBroker(make_conninfo(dramatiq_pg_url, user=role), schema=broker.schema)
             try:
                 with caplog.at_level("INFO"):
-                    assert not worker._leases.vacuum()
-                    assert not worker._leases.vacuum()
+                    assert not worker.parts.maintenance.vacuum()
+                    assert not worker.parts.maintenance.vacuum()
                 assert caplog.text.count("may not VACUUM") == 1
                 worker.declare_queue("default")
                 worker.enqueue(dramatiq.Message(queue_name="default", actor_name="x", args=(), kwargs={}, options={}))

@@ -538,7 +538,7 @@ def test_attempt_numbers_only_grow(dramatiq_pg_broker_factory: Callable[..., Pos
     consumer, third = claim(broker)
     broker.enqueue(third, delay=0)
     consumer.ack(third)  # the ack after a retry is a quiet no-op
-    broker._writer.flush(timeout=10)
+    broker.flush_outcomes(timeout=10)
     info = broker.inspect(mid)
     assert info is not None and (info["state"], info["attempt"]) == ("queued", third.attempt)
 
@@ -550,11 +550,11 @@ def test_attempt_numbers_only_grow(dramatiq_pg_broker_factory: Callable[..., Pos
     for old in (first, second, third):
         old.settled = False
         consumer.ack(old)
-    broker._writer.flush(timeout=10)
+    broker.flush_outcomes(timeout=10)
     assert stale_total(broker) == stale_before + 3
     assert broker.inspect(mid) is not None
     consumer.ack(fourth)
-    broker._writer.flush(timeout=10)
+    broker.flush_outcomes(timeout=10)
     assert broker.inspect(mid) is None
 
 
@@ -610,7 +610,7 @@ def test_claim_with_lost_response_is_released_at_the_next_claim(
     assert info is not None and (info["state"], info["attempt"]) == ("running", 1)  # still ours, untouched
     consumer.ack(first)
     consumer.ack(again)
-    broker._writer.flush(timeout=10)
+    broker.flush_outcomes(timeout=10)
     assert broker.inspect(held.message_id) is None and broker.inspect(lost.message_id) is None
 
 

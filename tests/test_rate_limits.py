@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from dramatiq.errors import RateLimitExceeded
 from dramatiq.rate_limits import Barrier, BucketRateLimiter, ConcurrentRateLimiter, WindowRateLimiter
-from helpers import Factory, wait_for
+from helpers import Factory, listening, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced.rate_limits import PostgresBackend
@@ -120,7 +120,7 @@ def test_wait_is_woken_by_notify(dramatiq_pg_url: str, schema: str) -> None:
     thread = threading.Thread(target=lambda: got.append(waiter.wait("door", 60_000)))
     thread.start()
     try:
-        wait_for(lambda: waiter._db._listener is not None and "door" in waiter._db._listener._waiters)
+        wait_for(lambda: listening(waiter, "door"))
         time.sleep(0.2)
         notifier.wait_notify("door", 60_000)
         thread.join(timeout=30)  # half the waiter's own timeout
@@ -263,7 +263,7 @@ def test_blocking_barrier_wakes_every_party(dramatiq_pg_url: str, schema: str) -
         for thread in waiters:
             thread.start()
         for b in backends[:-1]:
-            wait_for(lambda b=b: b._db._listener is not None and f"{key}@events" in b._db._listener._waiters)
+            wait_for(lambda b=b: listening(b, f"{key}@events"))
         time.sleep(0.2)
         assert Barrier(backends[-1], key).wait(block=False) is True  # the last party releases it
         for thread in waiters:

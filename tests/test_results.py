@@ -12,10 +12,10 @@ import dramatiq
 import pytest
 from dramatiq.message import Message
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
-from helpers import Factory, query, running_worker, wait_for
+from helpers import Factory, listening, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.consumer import PostgresMessageProxy
+from dramatiq_pg_fenced.delivery import PostgresMessageProxy
 from dramatiq_pg_fenced.results import PostgresBackend
 
 # -- helpers ------------------------------------------------------------------
@@ -189,7 +189,7 @@ def test_blocking_get_is_woken_by_notify(dramatiq_pg_broker_factory: Factory, dr
     thread = threading.Thread(target=lambda: got.append(reader.get_result(message, block=True, timeout=60_000)))
     thread.start()
     try:
-        wait_for(lambda: key in (reader._db._listener._waiters if reader._db._listener else {}), what="the waiter")
+        wait_for(lambda: listening(reader, key), what="the waiter")
         time.sleep(0.2)  # let the listener connect; if it has not, its connect wakes the reader anyway
         writer.store_result(message, {"answer": 42}, 60_000)
         thread.join(timeout=30)  # half the reader's own timeout
@@ -207,7 +207,7 @@ def test_blocking_get_polls_without_listen(dramatiq_pg_broker_factory: Factory, 
     message = Message(queue_name="default", actor_name="a", args=(), kwargs={}, options={})
     threading.Timer(0.3, lambda: reader.store_result(message, "polled", 60_000)).start()
     assert reader.get_result(message, block=True, timeout=30_000) == "polled"
-    assert reader._db._listener is None
+    assert reader.database.started_doorbell(reader.channel) is None
     reader.close()
 
 
@@ -222,7 +222,7 @@ def test_long_keys_still_wake_waiters(dramatiq_pg_broker_factory: Factory, drama
     thread = threading.Thread(target=lambda: got.append(reader.get_result(message, block=True, timeout=60_000)))
     thread.start()
     try:
-        wait_for(lambda: key in (reader._db._listener._waiters if reader._db._listener else {}), what="the waiter")
+        wait_for(lambda: listening(reader, key), what="the waiter")
         time.sleep(0.2)
         reader.store_result(message, "long", 60_000)
         thread.join(timeout=30)
@@ -256,7 +256,7 @@ def _two_deliveries(factory: Factory) -> tuple[Any, ...]:
     assert isinstance(stale, PostgresMessageProxy) and stale.attempt == 1
     # Attempt 1 stalls past its lease: it expires and is rescued, attempt 2 runs in B.
     query(a, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
-    assert a._leases.rescue() == 1
+    assert a.parts.maintenance.rescue() == 1
     consumer_b = b.consume("default", prefetch=1, timeout=5000)
     current = wait_for(lambda: next(consumer_b), what="the second delivery")
     assert current.attempt == 2
@@ -270,14 +270,14 @@ def test_stale_attempt_cannot_replace_the_current_result(dramatiq_pg_broker_fact
     # The current attempt finishes first.
     backend_b.store_result(current, "current", 60_000)
     consumer_b.ack(current)
-    assert b._writer.flush(timeout=10)
+    assert b.flush_outcomes(timeout=10)
     assert backend_b.get_result(message) == "current"
     stale_before = a.stats()["totals"].get("stale_writes", 0)
 
     # The stale attempt comes back: its result rides with its ack, which is fenced out.
     backend_a.store_result(stale, "stale", 60_000)
     consumer_a.ack(stale)
-    assert a._writer.flush(timeout=10)
+    assert a.flush_outcomes(timeout=10)
     assert backend_a.get_result(message) == "current"
 
     # Written directly (a backend without the broker), it is fenced on the message row.
@@ -297,19 +297,19 @@ def test_stale_attempt_result_is_never_visible(dramatiq_pg_broker_factory: Facto
     )
     backend_a.store_result(stale, "stale", 60_000)
     consumer_a.ack(stale)
-    assert a._writer.flush(timeout=10)
+    assert a.flush_outcomes(timeout=10)
     assert missing(backend_a, message)
     # A stale stored exception (after a stale nack) is fenced out too.
     consumer_a.nack(stale)
     backend_a.store_exception(stale, ValueError("stale failure"), 60_000)
-    assert a._writer.flush(timeout=10)
+    assert a.flush_outcomes(timeout=10)
     assert missing(backend_a, message)
     assert b.inspect(message.message_id)["state"] == "running"
     assert b.inspect(message.message_id)["attempt"] == 2
 
     backend_b.store_result(current, "current", 60_000)
     consumer_b.ack(current)
-    assert b._writer.flush(timeout=10)
+    assert b.flush_outcomes(timeout=10)
     assert backend_a.get_result(message) == "current"
 
 
@@ -337,7 +337,7 @@ def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> Non
     assert missing(backend, message)  # not before the ack...
     assert broker.inspect(message.message_id)["state"] == "running"
     consumer.ack(proxy)
-    assert broker._writer.flush(timeout=10)
+    assert broker.flush_outcomes(timeout=10)
     assert broker.inspect(message.message_id) is None  # ...and with it
     assert backend.get_result(message) == "done"
 
@@ -347,7 +347,7 @@ def test_cancelled_running_message_stores_no_result(dramatiq_pg_broker_factory: 
     broker.cancel(message.message_id)  # the row keeps attempt 1, in state 'cancelled'
     backend.store_result(proxy, "too late", 60_000)
     consumer.ack(proxy)
-    assert broker._writer.flush(timeout=10)
+    assert broker.flush_outcomes(timeout=10)
     assert missing(backend, message)
     direct = PostgresBackend(broker.url, schema=broker.schema)
     direct.store_result(proxy, "too late, directly", 60_000)

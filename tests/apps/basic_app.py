@@ -25,5 +25,5 @@ dramatiq.set_broker(broker)
 @dramatiq.actor(max_retries=0)
 def record(n: int) -> None:
     message = CurrentMessage.get_current_message()
-    with broker._pool_connection() as conn:
+    with broker.database.connection() as conn:
         conn.execute(INSERT, [n, os.getpid(), message.options["attempt"]])

@@ -1,0 +1,103 @@
+"""What operators do to messages: cancel, inspect, count, compact.
+
+Functions over a :class:`~.database.Database` and the bound statements; the
+broker's methods of the same names call them, as does the CLI.
+"""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from enum import Enum
+from typing import Any
+
+import psycopg
+from dramatiq.errors import BrokerError
+from dramatiq.message import Message
+
+from .database import Database
+from .errors import describe_failure, lost_connection
+from .fencing import State
+from .sql import Statements
+
+
+class CancelOutcome(str, Enum):
+    """What :meth:`PostgresBroker.cancel` did."""
+
+    QUEUED = "cancelled_queued"  #: it was waiting (maybe for a retry backoff); it will never run
+    RUNNING = "cancelled_running"  #: it was running; that attempt's outcome is fenced out
+    ALREADY_CANCELLED = "already_cancelled"
+    DEAD = "already_dead"  #: it had been dead-lettered; nothing changed
+    NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
+
+
+def cancel(database: Database, statements: Statements, message_id: str) -> CancelOutcome:
+    """Cancel a message whatever its attempt (administrative: not fenced)."""
+    row = database.run(lambda conn: conn.execute(statements.cancel, [message_id]).fetchone())
+    if row is not None:
+        return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING
+    now = state_of(database, statements, message_id)
+    if now is None:
+        return CancelOutcome.NOT_FOUND
+    return CancelOutcome.ALREADY_CANCELLED if now[0] == State.CANCELLED.value else CancelOutcome.DEAD
+
+
+def state_of(database: Database, statements: Statements, message_id: str) -> tuple[str, int] | None:
+    """(state, attempt) of the message's row, ``None`` when there is none."""
+    row = database.run(lambda conn: conn.execute(statements.state_of, [message_id]).fetchone())
+    return None if row is None else (row[0], row[1])
+
+
+_INSPECT_COLUMNS = (
+    "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
+    "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error",
+)  # fmt: skip
+
+
+def inspect(database: Database, statements: Statements, message_id: str) -> dict[str, Any] | None:
+    """What operators need to understand a message; ``None`` if unknown."""
+    row = database.run(lambda conn: conn.execute(statements.inspect, [message_id]).fetchone())
+    if row is None:
+        return None
+    info = dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True))
+    info["message_id"] = str(info["message_id"])
+    try:
+        decoded = Message.decode(bytes(row[-1]))
+        info["retries"] = decoded.options.get("retries", 0)
+        info["args"], info["kwargs"] = decoded.args, decoded.kwargs
+    except Exception as e:  # an undecodable row is still worth inspecting
+        info["retries"] = None
+        info["decode_error"] = str(e)
+    return info
+
+
+def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(database-wide counters, per queue: rows by state)."""
+    totals: dict[str, int] = dict(database.run(lambda conn: conn.execute(statements.counters).fetchall()))
+    queues: dict[str, dict[str, int]] = {}
+    for queue_name, state, count in database.run(lambda conn: conn.execute(statements.queue_stats).fetchall()):
+        queues.setdefault(queue_name, {})[state] = count
+    return totals, queues
+
+
+def compact(database: Database, statements: Statements, *, lock_timeout: float) -> dict[str, int]:
+    """``VACUUM (FULL)`` of the message table under a lock timeout; see :meth:`PostgresBroker.compact`."""
+    table = f'"{database.schema}".message'
+
+    def size(conn: psycopg.Connection) -> int:
+        row = conn.execute(statements.message_size, [table]).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    with database.connection() as conn:  # autocommit: VACUUM refuses to run in a transaction
+        before = size(conn)
+        try:
+            conn.execute(statements.lock_timeout, [f"{int(lock_timeout * 1000)}ms"])
+            conn.execute(statements.compact)
+        except psycopg.Error as e:
+            if lost_connection(e):
+                raise  # ConnectionClosed, as for every other call
+            raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
+        finally:
+            with suppress(psycopg.Error):
+                conn.execute(statements.lock_timeout, ["0"])
+        after = size(conn)
+    return {"bytes_before": before, "bytes_after": after}

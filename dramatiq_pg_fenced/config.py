@@ -1,0 +1,37 @@
+"""Defaults, defined once (the README's configuration table lists them), and
+the settings the broker hands to its parts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_SCHEMA = "dramatiq"
+DEFAULT_LEASE_SECONDS = 30.0
+DEFAULT_POLL_INTERVAL = 1.0
+DEFAULT_RESCUE_INTERVAL = 1.0
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
+DEFAULT_POOL_MAX_SIZE = 8
+DEFAULT_CONNECT_TIMEOUT = 5
+#: The results and rate-limit backends: their own pools are smaller.
+DEFAULT_BACKEND_POOL_MAX_SIZE = 4
+#: Seconds between purges of expired results and rate-limit keys, per process.
+DEFAULT_PURGE_INTERVAL = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the consumer, lease keeper, outcome writer and maintenance loop
+    need to know of the broker's configuration (never the broker itself)."""
+
+    schema: str = DEFAULT_SCHEMA
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    poll_interval: float = DEFAULT_POLL_INTERVAL
+    rescue_interval: float = DEFAULT_RESCUE_INTERVAL
+    listen: bool = True
+    dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel that rings when a queue has due messages."""
+        return f"{self.schema}_wake"

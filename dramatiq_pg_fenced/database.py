@@ -1,0 +1,248 @@
+"""The database layer: one per broker or backend, shared when they share a database.
+
+A :class:`Database` owns, per process, a pool of autocommit connections and
+the LISTEN doorbells; after ``fork`` the child builds its own (the parent's
+sockets are not the child's to use or close).  It checks once per process
+that the schema is migrated, runs idempotent work again once on a fresh
+connection when the first one was broken, and names failures for people:
+the server and the cause, never the password.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import TypeVar
+
+import psycopg
+from dramatiq.errors import ConnectionClosed
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from . import migrations
+from .doorbell import Doorbell
+from .errors import describe_failure, lost_connection
+
+T = TypeVar("T")
+
+#: This process's id, refreshed in a forked child: checked on every
+#: connection, and os.getpid() is a system call.
+_pid = os.getpid()
+
+
+def _refresh_pid() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_refresh_pid)
+
+
+def this_process() -> int:
+    """This process's id, without a system call."""
+    return _pid
+
+
+def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str) -> ConnectionPool:
+    """An opened pool of autocommit connections, for this process only (not fork-safe)."""
+    pool = ConnectionPool(
+        url,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+        timeout=connect_timeout * 2,
+        open=False,
+        name=f"dramatiq-pg-{name}-{os.getpid()}",
+    )
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # we report connection failures ourselves
+    pool.open(wait=False)
+    return pool
+
+
+class _ProcessLocal:
+    """What must not cross a fork: the pool, the listening connections."""
+
+    def __init__(self, pool: ConnectionPool, owns_pool: bool) -> None:
+        self.pid = os.getpid()
+        self.pool = pool
+        self.owns_pool = owns_pool
+        self.schema_checked = False
+        self.doorbells: dict[str, Doorbell] = {}
+
+    def close(self) -> None:
+        for doorbell in self.doorbells.values():
+            doorbell.stop()
+        if self.owns_pool:
+            self.pool.close()
+
+
+class Database:
+    """Connections to one database and schema, for the current process.
+
+    Parameters:
+      url: libpq connection string or URL (``""``: libpq's defaults).
+      pool: a ``psycopg_pool.ConnectionPool`` of autocommit connections the
+        caller owns; used instead of ``url`` for queries (LISTEN still needs
+        a connection of its own, made with the pool's conninfo).
+      schema: checked to be migrated on the first connection of a process.
+      name: for the pool's name in logs.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        pool: ConnectionPool | None = None,
+        schema: str,
+        connect_timeout: int,
+        pool_max_size: int,
+        name: str = "broker",
+    ) -> None:
+        self.url = url or ""
+        self.given_pool = pool
+        self.schema = schema
+        self.connect_timeout = connect_timeout
+        self.pool_max_size = pool_max_size
+        self.name = name
+        self._lock = threading.Lock()
+        self._local: _ProcessLocal | None = None
+
+    # -- per process ----------------------------------------------------------
+    def _here(self) -> _ProcessLocal:
+        local = self._local
+        if local is None or local.pid != _pid:
+            with self._lock:
+                local = self._local
+                if local is None or local.pid != os.getpid():
+                    pool = self.given_pool or new_pool(
+                        self.url, max_size=self.pool_max_size, connect_timeout=self.connect_timeout, name=self.name
+                    )
+                    local = self._local = _ProcessLocal(pool, owns_pool=self.given_pool is None)
+        return local
+
+    @property
+    def started(self) -> bool:
+        """Has this process made a pool or a listening connection yet?"""
+        local = self._local
+        return local is not None and local.pid == os.getpid()
+
+    @property
+    def conninfo(self) -> str:
+        """Where LISTEN connects: the URL, else the given pool's conninfo."""
+        if self.url or self.given_pool is None:
+            return self.url
+        given = self.given_pool.conninfo
+        return given() if callable(given) else str(given)
+
+    def doorbell(self, channel: str, *, timed: bool = False) -> Doorbell:
+        """This process's doorbell on *channel* (it starts listening on its first subscriber)."""
+        local = self._here()
+        with self._lock:
+            doorbell = local.doorbells.get(channel)
+            if doorbell is None:
+                doorbell = local.doorbells[channel] = Doorbell(
+                    self.conninfo, channel, connect_timeout=self.connect_timeout, timed=timed
+                )
+            return doorbell
+
+    def started_doorbell(self, channel: str) -> Doorbell | None:
+        """The doorbell on *channel* if this process made one (for tests and stats)."""
+        local = self._local
+        if local is None or local.pid != os.getpid():
+            return None
+        return local.doorbells.get(channel)
+
+    def close(self) -> None:
+        """Stop the doorbells and close the pool this process made (never a given one)."""
+        with self._lock:
+            local, self._local = self._local, None
+        if local is not None and local.pid == os.getpid():
+            local.close()
+
+    # -- connections ----------------------------------------------------------
+    @contextmanager
+    def connection(self, *, raw: bool = False) -> Iterator[psycopg.Connection]:
+        """A pooled autocommit connection to a migrated schema.
+
+        With ``raw=True`` psycopg's errors pass through (the background threads
+        handle them); otherwise connection failures become Dramatiq's
+        ``ConnectionClosed``.  A missing or old schema raises
+        :class:`~.errors.SchemaError` either way.
+        """
+        local = self._here()
+        try:
+            with local.pool.connection() as conn:
+                if not local.schema_checked:
+                    migrations.check(conn, self.schema, url_hint=self.safe_url())
+                    local.schema_checked = True
+                yield conn
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if lost_connection(e) and not isinstance(e, PoolTimeout) and local.owns_pool:
+                # One broken connection usually means all idle ones are (server
+                # restart, pg_terminate_backend): drop them now, not one per retry.
+                with suppress(Exception):
+                    local.pool.check()
+            if raw:
+                raise
+            raise ConnectionClosed(self.describe(e)) from None
+
+    def run(self, work: Callable[[psycopg.Connection], T], *, transaction: bool = False) -> T:
+        """Run idempotent *work* on a pooled connection; once more on a fresh
+        one if the first was broken.  Connection failures become Dramatiq's
+        ``ConnectionClosed``."""
+        for tries in (1, 2):
+            try:
+                with self.connection(raw=True) as conn:
+                    if not transaction:
+                        return work(conn)
+                    with conn.transaction():
+                        return work(conn)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if tries == 2 or isinstance(e, PoolTimeout):
+                    raise ConnectionClosed(self.describe(e)) from None
+        raise AssertionError("unreachable")
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the schema; returns the versions applied."""
+        local = self._here()
+        try:
+            with local.pool.connection() as conn:
+                applied = migrations.migrate(conn, self.schema)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            raise ConnectionClosed(self.describe(e)) from None
+        local.schema_checked = True
+        return applied
+
+    # -- naming failures --------------------------------------------------------
+    def _info(self) -> dict[str, object]:
+        try:
+            return dict(conninfo_to_dict(self.conninfo))
+        except psycopg.Error:
+            return {}
+
+    def describe(self, error: BaseException) -> str:
+        """An operational error in one line, naming the server but never the password."""
+        info = self._info()
+        where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+        if isinstance(error, PoolTimeout) and self.conninfo:
+            # The pool only says it timed out; one direct try tells why (refused, auth, unknown host...).
+            try:
+                psycopg.connect(self.conninfo, connect_timeout=self.connect_timeout).close()
+            except psycopg.Error as direct:
+                error = direct
+        text = describe_failure(error, where)
+        password = info.get("password")
+        if password:
+            text = text.replace(str(password), "***")
+        return text
+
+    def safe_url(self) -> str:
+        """The URL for messages: the password masked; ``URL`` when there is none to show."""
+        info = self._info()
+        if not info:
+            return "URL"
+        host = info.get("host") or "localhost"
+        return f"postgresql://{info.get('user') or ''}@{host}:{info.get('port') or 5432}/{info.get('dbname') or ''}"

@@ -1,0 +1,119 @@
+"""Message states, fenced writes, and what happens when a write is fenced out.
+
+Every write that settles or extends a delivery names the attempt it belongs
+to; the database applies it only while the row is ``running`` at that
+attempt.  A write that finds the row elsewhere is *stale*: it is logged,
+counted (in this process and in the ``counter`` table) and otherwise
+ignored, never raised.  A write that finds its message cancelled is dropped
+quietly: cancellation is what the operator asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection, Sequence
+from enum import Enum
+
+import psycopg
+
+from .sql import Statements
+
+
+class State(str, Enum):
+    """The state of a message row (``message.state``); see the transition table in :mod:`.sql`."""
+
+    QUEUED = "queued"  #: waiting to be claimed (maybe delayed, or waiting for a retry's backoff)
+    RUNNING = "running"  #: leased to one delivery (prefetched or running); attempt is its fence
+    DEAD = "dead"  #: dead-lettered; kept for ``dead_message_ttl``
+    CANCELLED = "cancelled"  #: cancelled by an operator; kept for ``dead_message_ttl``
+
+
+class Write(str, Enum):
+    """The kinds of fenced write, as they are named in logs."""
+
+    ACK = "ack"
+    NACK = "nack"
+    RETRY = "retry"
+    REQUEUE = "requeue"
+    EXTEND = "extend"
+    RESULT = "result"
+
+
+#: A fenced write that did not apply: (kind, message id, attempt).
+Miss = tuple[Write, str, int]
+#: A row as it is now: (state, attempt), or ``None`` when it is gone.
+Row = tuple[str, int] | None
+
+
+def left_by(kind: Write, attempt: int, now: Row) -> bool:
+    """Does the row look as the *kind* write of *attempt* would have left it?"""
+    if kind is Write.ACK:
+        return now is None
+    if kind is Write.NACK:
+        return now == (State.DEAD.value, attempt)
+    if kind is Write.RETRY:
+        return now == (State.QUEUED.value, attempt)
+    return False
+
+
+def stale_message(kind: Write, message_id: str, attempt: int, now: Row) -> str:
+    """The warning a stale write logs."""
+    if now is None:
+        where = "the row is gone (finished by another attempt)"
+    else:
+        where = f"the row is at attempt {now[1]} in state {now[0]!r}"
+    return f"Stale {kind.value} of message {message_id} by attempt {attempt} ignored: {where}."
+
+
+class StaleWrites:
+    """Classifies, logs and counts fenced-out writes; one per broker or backend."""
+
+    def __init__(self, statements: Statements, logger: logging.Logger) -> None:
+        self.statements = statements
+        self.logger = logger
+        self._lock = threading.Lock()
+        self.stale = 0  #: stale writes seen by this process
+        self.cancelled = 0  #: writes dropped because their message was cancelled
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"stale_writes": self.stale, "cancelled_writes": self.cancelled}
+
+    def report(
+        self, conn: psycopg.Connection, misses: Sequence[Miss], retried: Collection[tuple[str, int]] = ()
+    ) -> None:
+        """Log and count *misses*; called inside the writing transaction.
+
+        *retried* holds the (message id, attempt) pairs whose previous try
+        failed with a broken connection: it may have committed, so a row that
+        looks as that write left it is not counted as stale.
+        """
+        if not misses:
+            return
+        rows = conn.execute(self.statements.current, [[mid for _, mid, _ in misses]]).fetchall()
+        current: dict[str, Row] = {str(r[0]): (r[1], r[2]) for r in rows}
+        n_stale = n_cancelled = 0
+        for kind, message_id, attempt in misses:
+            now = current.get(message_id)
+            if now is not None and now[0] == State.CANCELLED.value:
+                n_cancelled += 1
+                self.logger.info(
+                    "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind.value, attempt
+                )
+            elif (message_id, attempt) in retried and left_by(kind, attempt, now):
+                self.logger.info(
+                    "The %s of message %s by attempt %d was probably written by a try whose connection broke "
+                    "at commit; not counted as stale.",
+                    kind.value,
+                    message_id,
+                    attempt,
+                )
+            else:
+                n_stale += 1
+                self.logger.warning(stale_message(kind, message_id, attempt, now))
+        with self._lock:
+            self.stale += n_stale
+            self.cancelled += n_cancelled
+        if n_stale:
+            conn.execute(self.statements.count_stale, [n_stale])

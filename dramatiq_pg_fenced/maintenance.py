@@ -1,0 +1,164 @@
+"""Maintenance: the chores of a consuming process, on a thread apart from lease extension.
+
+- **Rescue**, every ``rescue_interval``: rows of any process whose lease
+  expired go back to their queue (a crashed or paused worker's messages are
+  claimable again within one interval), keeping their place in line.
+- **Vacuum**, after every few thousand claims of this process: claimed rows
+  leave dead entries at the head of the claim index, and without this every
+  claim of a long backlog steps over more of them until autovacuum comes by
+  (once a minute with PostgreSQL's defaults).  A role that may not vacuum the
+  table (not its owner) leaves it to autovacuum, and says so once.
+- **Purge**, once a minute: dead letters and cancellations older than
+  ``dead_message_ttl``.
+
+:class:`PurgeSchedule` does the same kind of bounded purge for the results
+and rate-limit backends, triggered by their use rather than by a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from .config import Settings
+from .database import Database
+from .leases import Leases
+from .periodic import Periodic
+from .sql import Statements
+
+#: Claims by this process between two vacuums of the message table, and the
+#: shortest pause between them (seconds).
+VACUUM_AFTER_CLAIMS = 5000
+VACUUM_MIN_INTERVAL = 10.0
+#: Seconds between two purges of old dead letters and cancellations.
+PURGE_EVERY = 60.0
+#: Rows deleted per bounded purge statement (a purge runs a few of them).
+PURGE_BATCH = 1000
+
+logger = logging.getLogger(__name__)
+
+
+class Maintenance(Periodic):
+    """The rescue / vacuum / purge loop of one consuming process."""
+
+    name = "dramatiq-pg-maintenance"
+    what = "Maintenance"
+
+    def __init__(
+        self, leases: Leases, database: Database, statements: Statements, settings: Settings, logger: logging.Logger
+    ) -> None:
+        super().__init__(settings.rescue_interval, logger)
+        self.leases = leases
+        self.database = database
+        self.statements = statements
+        self.settings = settings
+        self._last_purge = 0.0
+        self._vacuumed_at_claims = 0
+        self._last_vacuum = 0.0
+        self._may_vacuum: bool | None = None
+
+    def tick(self) -> None:
+        self.rescue()
+        claims = self.leases.claims
+        if (
+            claims - self._vacuumed_at_claims >= VACUUM_AFTER_CLAIMS
+            and time.monotonic() - self._last_vacuum > VACUUM_MIN_INTERVAL
+        ):
+            self._vacuumed_at_claims = claims
+            self._last_vacuum = time.monotonic()
+            self.vacuum()
+        if time.monotonic() - self._last_purge > PURGE_EVERY:
+            self._last_purge = time.monotonic()
+            self.purge()
+
+    def rescue(self) -> int:
+        """Return expired leases (of any process) to their queues."""
+        with self.database.connection(raw=True) as conn:
+            rows = conn.execute(self.statements.rescue).fetchall()
+            if rows and self.settings.listen:
+                conn.execute(self.statements.notify, [self.settings.channel, sorted({r[1] for r in rows})])
+        for message_id, queue_name, attempt in rows:
+            self.logger.warning(
+                "Lease of message %s on queue %r (attempt %d) expired; it is queued for redelivery.",
+                message_id,
+                queue_name,
+                attempt,
+            )
+        return len(rows)
+
+    def may_vacuum(self) -> bool:
+        """Asked once per process: may this role vacuum the message table?"""
+        if self._may_vacuum is None:
+            with self.database.connection(raw=True) as conn:
+                table = f'"{self.settings.schema}".message'
+                row = conn.execute(self.statements.may_vacuum, [table]).fetchone()
+            self._may_vacuum = bool(row and row[0])
+            if not self._may_vacuum:
+                self.logger.info(
+                    "This database role may not VACUUM %s.message; workers leave it to autovacuum "
+                    "(a long backlog's claims may slow down between its runs).",
+                    self.settings.schema,
+                )
+        return self._may_vacuum
+
+    def vacuum(self) -> bool:
+        """Vacuum the message table if this role may; returns whether it did."""
+        if not self.may_vacuum():
+            return False
+        with self.database.connection(raw=True) as conn:
+            conn.execute(self.statements.vacuum)
+        return True
+
+    def purge(self) -> None:
+        with self.database.connection(raw=True) as conn:
+            conn.execute(self.statements.purge_finished, [self.settings.dead_message_ttl])
+
+
+class PurgeSchedule:
+    """Bounded purges of expired rows, at most once per *interval* per process, in the background."""
+
+    def __init__(self, database: Database, statement: bytes, interval: float) -> None:
+        self.database = database
+        self.statement = statement
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._next = 0.0
+
+    def purge(self) -> int:
+        """Run the bounded delete until it finds little left; returns rows deleted."""
+        total = 0
+        for _ in range(10):
+            with self.database.connection() as conn:
+                deleted = conn.execute(self.statement, [PURGE_BATCH]).rowcount
+            total += max(deleted, 0)
+            if deleted < PURGE_BATCH:
+                break
+        return total
+
+    def maybe(self, purge: Callable[[], int] | None = None) -> None:
+        """Start a purge in the background if one is due in this process."""
+        now = time.monotonic()
+        if now < self._next and self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                # Processes started together (the dramatiq CLI) spread their purges out.
+                self._pid = os.getpid()
+                self._next = now + random.random() * self.interval
+            if now < self._next:
+                return
+            self._next = now + self.interval
+        run = purge or self.purge
+
+        def background() -> None:
+            try:
+                run()
+            except Exception as e:  # the next interval tries again
+                logger.warning("Purge of expired rows failed: %s", e)
+
+        threading.Thread(target=background, name="dramatiq-pg-purge", daemon=True).start()

@@ -1,0 +1,47 @@
+"""A background chore: a daemon thread that runs ``tick()`` every interval until stopped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg
+
+
+class Periodic:
+    """Subclasses set :attr:`name` and :attr:`what` and implement :meth:`tick`.
+
+    A failed tick never ends the thread: the next one tries again.  Connection
+    failures are logged in one line, anything else with its traceback.
+    """
+
+    name = "dramatiq-pg-periodic"  #: the thread's name
+    what = "A background chore"  #: the subject of its log lines
+
+    def __init__(self, interval: float, logger: logging.Logger) -> None:
+        self.interval = interval
+        self.logger = logger
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            try:
+                self.tick()
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                self.logger.warning("%s could not reach the database: %s", self.what, e)
+            except Exception:
+                self.logger.exception("%s failed; trying again.", self.what)

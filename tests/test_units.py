@@ -1,0 +1,125 @@
+"""The pure logic, without a database: capacity, retry wake-ups, stale-write
+classification, statement variants, hook selection, lost-claim bookkeeping."""
+
+from __future__ import annotations
+
+import dramatiq
+import pytest
+from dramatiq.middleware import Middleware
+
+from dramatiq_pg_fenced.consumer import LostClaims
+from dramatiq_pg_fenced.delivery import PostgresMessageProxy, attempt_of
+from dramatiq_pg_fenced.fencing import State, Write, left_by, stale_message
+from dramatiq_pg_fenced.hooks import active_hooks
+from dramatiq_pg_fenced.leases import Leases, room
+from dramatiq_pg_fenced.outcomes import Outcome, retry_wakes
+from dramatiq_pg_fenced.sql import statements
+
+
+def test_room_is_the_prefetch_of_unsettled_messages_and_under_twice_it_in_all() -> None:
+    assert room(prefetch=4, held=0, settled=0) == 4
+    assert room(prefetch=4, held=4, settled=0) == 0
+    # Settled messages (outcome on its way) free their slot, up to 2x prefetch held in all.
+    assert room(prefetch=4, held=4, settled=3) == 3
+    assert room(prefetch=4, held=7, settled=6) == 1
+    assert room(prefetch=4, held=8, settled=8) == 0
+
+
+def test_leases_count_settled_messages_out_of_the_prefetch() -> None:
+    leases = Leases()
+    for n in range(2):
+        leases.hold("q", f"m{n}", 1)
+    assert leases.capacity("q", 2) == 0
+    leases.settle("m0")
+    assert leases.capacity("q", 2) == 1
+    leases.release("m0", 1)
+    assert leases.capacity("q", 2) == 1 and leases.snapshot() == {"m1": ("q", 1)}
+    leases.release("m1", 7)  # another attempt's release changes nothing
+    assert leases.attempt_held("m1") == ("q", 1)
+
+
+def test_leases_mark_lost_only_unsettled_deliveries_of_the_same_attempt() -> None:
+    leases = Leases()
+    leases.hold("q", "a", 1)
+    leases.hold("q", "b", 1)
+    leases.hold("q", "c", 2)
+    leases.settle("b")
+    lost = leases.mark_lost({"a": 1, "b": 1, "c": 1}, kept=set())
+    assert lost == {"a"}  # b's outcome is on its way; c is held at another attempt
+    assert leases.is_lost("a") and not leases.is_lost("c")
+
+
+def test_retry_wakes_ring_due_queues_and_the_earliest_backoff_per_queue() -> None:
+    def retry(queue: str, delay_ms: int) -> Outcome:
+        return Outcome(Write.RETRY, "id", 1, queue_name=queue, delay_ms=delay_ms)
+
+    wakes = retry_wakes([retry("a", 0), retry("b", 500), retry("b", 200), retry("a", 0), retry("", 0)])
+    assert wakes == ["a", "b\t200"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "attempt", "now", "expected"),
+    [
+        (Write.ACK, 3, None, True),
+        (Write.ACK, 3, ("running", 3), False),
+        (Write.NACK, 3, ("dead", 3), True),
+        (Write.NACK, 3, ("dead", 4), False),
+        (Write.RETRY, 3, ("queued", 3), True),
+        (Write.RETRY, 3, ("running", 4), False),
+        (Write.REQUEUE, 3, ("queued", 3), False),
+    ],
+)
+def test_a_write_whose_commit_was_lost_is_recognised_by_the_row_it_left(
+    kind: Write, attempt: int, now: tuple[str, int] | None, expected: bool
+) -> None:
+    assert left_by(kind, attempt, now) is expected
+
+
+def test_stale_message_names_both_attempts() -> None:
+    text = stale_message(Write.ACK, "m", 1, (State.RUNNING.value, 2))
+    assert "attempt 1" in text and "attempt 2" in text and "'running'" in text
+    assert "gone" in stale_message(Write.NACK, "m", 1, None)
+
+
+def test_relaxed_enqueues_and_only_they_turn_synchronous_commit_off() -> None:
+    s = statements("units")
+    for name in ("enqueue_relaxed", "enqueue_one_relaxed"):
+        assert b"set_config('synchronous_commit', 'off', true)" in getattr(s, name)
+    for name in ("enqueue", "enqueue_one", "claim", "ack", "nack", "retry", "extend"):
+        assert b"synchronous_commit" not in getattr(s, name)
+    assert b"unnest" in s.enqueue and b"unnest" not in s.enqueue_one
+    assert b'"units".message' in s.claim
+
+
+def test_only_hooks_that_do_something_are_called_in_dramatiqs_order() -> None:
+    class Quiet(Middleware):
+        pass
+
+    class Loud(Middleware):
+        def before_enqueue(self, broker: object, message: object, delay: object) -> None: ...
+
+        def after_enqueue(self, broker: object, message: object, delay: object) -> None: ...
+
+    quiet, first, second = Quiet(), Loud(), Loud()
+    chain = [quiet, first, second]
+    assert [m for m, _ in active_hooks(chain, "before_enqueue")] == [first, second]
+    assert [m for m, _ in active_hooks(chain, "after_enqueue")] == [second, first]
+
+
+def test_lost_claims_are_taken_once_per_queue() -> None:
+    lost = LostClaims()
+    lost.add("q", "c1")
+    lost.put_back("q", ["c2"])
+    assert lost.take("other") == []
+    assert lost.take("q") == ["c1", "c2"]
+    assert lost.take("q") == []
+
+
+def test_the_proxy_is_the_one_source_of_a_deliverys_attempt() -> None:
+    message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
+    proxy = PostgresMessageProxy(message, 3)
+    assert proxy.options["attempt"] == 3  # a copy for actors and middleware
+    proxy.options["attempt"] = 99  # an actor scribbling on it changes no fence
+    assert attempt_of(proxy) == 3
+    assert attempt_of(message.copy(options={"attempt": 2})) == 2
+    assert attempt_of(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})) is None
