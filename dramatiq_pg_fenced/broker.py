@@ -175,11 +175,14 @@ class PostgresBroker(SkipNoopHooks, Broker):
             return False
         if parts is None or parts.pid != os.getpid():
             return False
-        return parts.leases.attempt_held(message.message_id) == (message.queue_name, message.attempt)
+        held = parts.leases.held(message.message_id)
+        return held is not None and held.delivery == message.delivery
 
     def submit_result(self, message: PostgresMessageProxy, write: ResultWrite) -> None:
         """Write *write* with (or right after) the outcome of this delivery, only if that outcome applied."""
-        outcome = Outcome(Write.RESULT, message.message_id, message.attempt, queue_name=message.queue_name)
+        outcome = Outcome(
+            Write.RESULT, message.message_id, message.attempt, message.delivery, queue_name=message.queue_name
+        )
         outcome.result = write
         self.parts.writer.submit(outcome)
 

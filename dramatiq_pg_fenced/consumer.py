@@ -139,21 +139,26 @@ class PostgresConsumer(Consumer):
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
             self.lost_claims.put_back(self.queue_name, [*unsure, self.consumer_id])
             raise ConnectionClosed(self.database.describe(e)) from None
-        rows.sort(key=lambda r: (r[3], r[4], r[5]))
-        for message_id, attempt, payload, _, _, _ in rows:
-            message_id = str(message_id)
-            self.leases.hold(self.queue_name, message_id, attempt)
+        rows.sort(key=lambda r: (r[4], r[5], r[6]))  # priority, due time, enqueue order
+        for message_id, attempt, token, payload, _, _, _ in rows:
+            message_id, delivery = str(message_id), str(token)
+            self.leases.hold(self.queue_name, message_id, attempt, delivery)
             try:
                 message = Message.decode(bytes(payload))
             except DecodeError as e:
                 self.logger.error("Message %s has an undecodable payload; dead-lettering it: %s", message_id, e)
                 self.writer.submit(
                     Outcome(
-                        Write.NACK, message_id, attempt, error=f"undecodable payload: {e}", queue_name=self.queue_name
+                        Write.NACK,
+                        message_id,
+                        attempt,
+                        delivery,
+                        error=f"undecodable payload: {e}",
+                        queue_name=self.queue_name,
                     )
                 )
                 continue
-            self.buffer.append(PostgresMessageProxy(message, attempt))
+            self.buffer.append(PostgresMessageProxy(message, attempt, delivery))
 
     def _due_unknown(self) -> bool:
         """Must the next due time be read again? Unknown, passed, or new delayed rows were announced."""
@@ -173,7 +178,7 @@ class PostgresConsumer(Consumer):
 
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""
-        held = [mid for mid, (queue, _) in self.leases.snapshot().items() if queue == self.queue_name]
+        held = [mid for mid, h in self.leases.snapshot().items() if h.queue_name == self.queue_name]
         rows = conn.execute(self.statements.release_unseen, [consumer_ids, self.queue_name, held]).fetchall()
         if rows:
             self.logger.warning(
@@ -202,6 +207,7 @@ class PostgresConsumer(Consumer):
                 kind,
                 message.message_id,
                 message.attempt,
+                message.delivery,
                 error=message.error_text("rejected") if nack else None,
                 queue_name=self.queue_name,
                 exception=message.exception if nack else None,

@@ -1,8 +1,11 @@
 """A delivery: one claim of a message row, known by its attempt number.
 
-The attempt lives on the proxy (:attr:`PostgresMessageProxy.attempt`), which
-is what every fenced write reads; ``options["attempt"]`` is a copy for
-actors and middleware (``CurrentMessage``) and is never read back.
+The attempt and the fence token live on the proxy
+(:attr:`PostgresMessageProxy.attempt`, :attr:`PostgresMessageProxy.delivery`),
+which is what every fenced write reads; ``options["attempt"]`` is a copy for
+actors and middleware (``CurrentMessage``) and is never read back for a
+delivery.  The token is what fences: attempts can repeat (a message id
+inserted again after its row was acked starts at 1 again).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ResultWrite:
     attempt: int | None  # None: stored outside a delivery, not fenced
     data: bytes
     ttl_ms: int
+    delivery: str | None = None  # the delivery's token, when the writer knows it
 
 
 class PostgresMessageProxy(MessageProxy):
@@ -43,10 +47,11 @@ class PostgresMessageProxy(MessageProxy):
     the ack applies.
     """
 
-    def __init__(self, message: Message, attempt: int) -> None:
+    def __init__(self, message: Message, attempt: int, delivery: str) -> None:
         message.options["attempt"] = attempt
         super().__init__(message)
         self.attempt = attempt
+        self.delivery = delivery  #: the fence token of this delivery (unique, unlike the attempt)
         self.settled = False
         self.pending_result: ResultWrite | None = None
 

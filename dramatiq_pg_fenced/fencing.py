@@ -1,8 +1,7 @@
 """Message states, fenced writes, and what happens when a write is fenced out.
 
-Every write that settles or extends a delivery names the attempt it belongs
-to; the database applies it only while the row is ``running`` at that
-attempt.  A write that finds the row elsewhere is *stale*: it is logged,
+Every write that settles or extends a delivery names the delivery's token;
+the database applies it only while the row is ``running`` under that token.  A write that finds the row elsewhere is *stale*: it is logged,
 counted (in this process and in the ``counter`` table) and otherwise
 ignored, never raised.  A write that finds its message cancelled is dropped
 quietly: cancellation is what the operator asked for.
@@ -40,20 +39,22 @@ class Write(str, Enum):
     RESULT = "result"
 
 
-#: A fenced write that did not apply: (kind, message id, attempt).
-Miss = tuple[Write, str, int]
-#: A row as it is now: (state, attempt), or ``None`` when it is gone.
-Row = tuple[str, int] | None
+#: A fenced write that did not apply: (kind, message id, attempt, delivery token).
+Miss = tuple[Write, str, int, str | None]
+#: A row as it is now: (state, attempt, delivery token), or ``None`` when it is gone.
+Row = tuple[str, int, str | None] | None
 
 
-def left_by(kind: Write, attempt: int, now: Row) -> bool:
-    """Does the row look as the *kind* write of *attempt* would have left it?"""
+def left_by(kind: Write, delivery: str | None, now: Row) -> bool:
+    """Does the row look as the *kind* write of *delivery* would have left it?"""
     if kind is Write.ACK:
         return now is None
+    if now is None or delivery is None or now[2] != delivery:
+        return False
     if kind is Write.NACK:
-        return now == (State.DEAD.value, attempt)
+        return now[0] == State.DEAD.value
     if kind is Write.RETRY:
-        return now == (State.QUEUED.value, attempt)
+        return now[0] == State.QUEUED.value
     return False
 
 
@@ -81,27 +82,27 @@ class StaleWrites:
             return {"stale_writes": self.stale, "cancelled_writes": self.cancelled}
 
     def report(
-        self, conn: psycopg.Connection, misses: Sequence[Miss], retried: Collection[tuple[str, int]] = ()
+        self, conn: psycopg.Connection, misses: Sequence[Miss], retried: Collection[tuple[str, str]] = ()
     ) -> None:
         """Log and count *misses*; called inside the writing transaction.
 
-        *retried* holds the (message id, attempt) pairs whose previous try
+        *retried* holds the (message id, delivery token) pairs whose previous try
         failed with a broken connection: it may have committed, so a row that
         looks as that write left it is not counted as stale.
         """
         if not misses:
             return
-        rows = conn.execute(self.statements.current, [[mid for _, mid, _ in misses]]).fetchall()
-        current: dict[str, Row] = {str(r[0]): (r[1], r[2]) for r in rows}
+        rows = conn.execute(self.statements.current, [[m[1] for m in misses]]).fetchall()
+        current: dict[str, Row] = {str(r[0]): (r[1], r[2], None if r[3] is None else str(r[3])) for r in rows}
         n_stale = n_cancelled = 0
-        for kind, message_id, attempt in misses:
+        for kind, message_id, attempt, delivery in misses:
             now = current.get(message_id)
             if now is not None and now[0] == State.CANCELLED.value:
                 n_cancelled += 1
                 self.logger.info(
                     "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind.value, attempt
                 )
-            elif (message_id, attempt) in retried and left_by(kind, attempt, now):
+            elif delivery is not None and (message_id, delivery) in retried and left_by(kind, delivery, now):
                 self.logger.info(
                     "The %s of message %s by attempt %d was probably written by a try whose connection broke "
                     "at commit; not counted as stale.",

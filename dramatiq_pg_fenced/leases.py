@@ -14,11 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from typing import NamedTuple
 
 from .config import Settings
 from .database import Database
 from .periodic import Periodic
 from .sql import Statements
+
+
+class Held(NamedTuple):
+    """A delivery this process holds."""
+
+    queue_name: str
+    attempt: int
+    delivery: str  # the fence token
 
 
 class Leases:
@@ -27,28 +36,33 @@ class Leases:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a held message was released or settled
-        self._held: dict[str, tuple[str, int]] = {}  # message_id -> (queue, attempt)
+        self._held: dict[str, Held] = {}  # by message id
         self._lost: set[str] = set()
         self._settled: set[str] = set()  # outcome handed to the writer, not yet written
         self._per_queue: Counter[str] = Counter()
         self._settled_per_queue: Counter[str] = Counter()
         self.claims = 0  #: deliveries held since the process started (maintenance vacuums by it)
 
-    def hold(self, queue_name: str, message_id: str, attempt: int) -> None:
+    def hold(self, queue_name: str, message_id: str, attempt: int, delivery: str) -> None:
         with self._lock:
             if message_id not in self._held:
                 self._per_queue[queue_name] += 1
                 self.claims += 1
-            elif message_id in self._settled:  # redelivered here while an older outcome is pending
-                self._settled.discard(message_id)
-                self._settled_per_queue[self._held[message_id][0]] -= 1
-            self._held[message_id] = (queue_name, attempt)
+            else:  # redelivered here while an older delivery's outcome is pending
+                old = self._held[message_id]
+                self._per_queue[old.queue_name] -= 1
+                self._per_queue[queue_name] += 1
+                self._lost.discard(message_id)
+                if message_id in self._settled:
+                    self._settled.discard(message_id)
+                    self._settled_per_queue[old.queue_name] -= 1
+            self._held[message_id] = Held(queue_name, attempt, delivery)
 
-    def release(self, message_id: str, attempt: int) -> None:
+    def release(self, message_id: str, delivery: str) -> None:
         """Forget the delivery (its outcome was written, fenced out or abandoned)."""
         with self._lock:
             held = self._held.get(message_id)
-            if held is not None and held[1] == attempt:
+            if held is not None and held.delivery == delivery:
                 del self._held[message_id]
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
@@ -66,8 +80,8 @@ class Leases:
                 self._settled_per_queue[held[0]] += 1
                 self._freed.notify_all()
 
-    def attempt_held(self, message_id: str) -> tuple[str, int] | None:
-        """(queue, attempt) of *message_id* if this process holds it."""
+    def held(self, message_id: str) -> Held | None:
+        """The delivery of *message_id* this process holds, if any."""
         with self._lock:
             return self._held.get(message_id)
 
@@ -94,19 +108,19 @@ class Leases:
         with self._lock:
             return message_id in self._lost
 
-    def snapshot(self) -> dict[str, tuple[str, int]]:
-        """Every held delivery: message id -> (queue, attempt)."""
+    def snapshot(self) -> dict[str, Held]:
+        """Every held delivery, by message id."""
         with self._lock:
             return dict(self._held)
 
-    def mark_lost(self, attempts: dict[str, int], kept: set[str]) -> set[str]:
-        """After an extension of *attempts* that kept only *kept*: the deliveries now known lost."""
+    def mark_lost(self, deliveries: dict[str, str], kept: set[str]) -> set[str]:
+        """After an extension of *deliveries* (message id -> token) that kept only *kept*: those now known lost."""
         with self._lock:
-            lost = {
-                mid
-                for mid, attempt in attempts.items()
-                if mid not in kept and self._held.get(mid, ("", -1))[1] == attempt and mid not in self._settled
-            }
+            lost = set()
+            for mid, delivery in deliveries.items():
+                held = self._held.get(mid)
+                if mid not in kept and held is not None and held.delivery == delivery and mid not in self._settled:
+                    lost.add(mid)
             self._lost |= lost
         return lost
 
@@ -136,19 +150,20 @@ class LeaseKeeper(Periodic):
 
     def extend(self) -> set[str]:
         """Extend every lease held (and not known lost), fenced; returns the ones found lost."""
-        held = {mid: att for mid, (_, att) in self.leases.snapshot().items() if not self.leases.is_lost(mid)}
+        held = {mid: h for mid, h in self.leases.snapshot().items() if not self.leases.is_lost(mid)}
         if not held:
             return set()
+        tokens = {mid: h.delivery for mid, h in held.items()}
         with self.database.connection(raw=True) as conn:
             rows = conn.execute(
-                self.statements.extend, [self.settings.lease_seconds, list(held), list(held.values())]
+                self.statements.extend, [self.settings.lease_seconds, list(tokens), list(tokens.values())]
             ).fetchall()
-        lost = self.leases.mark_lost(held, {str(r[0]) for r in rows})
+        lost = self.leases.mark_lost(tokens, {str(r[0]) for r in rows})
         for message_id in lost:
             self.logger.warning(
                 "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "
                 "this process's outcome for it will be fenced out.",
                 message_id,
-                held[message_id],
+                held[message_id].attempt,
             )
         return lost

@@ -39,6 +39,7 @@ class Outcome:
     kind: Write  # ACK, NACK, RETRY or RESULT
     message_id: str
     attempt: int
+    delivery: str  # the fence token
     error: str | None = None
     payload: bytes | None = None  # RETRY: the message as it goes back to the queue
     delay_ms: int = 0  # RETRY: its backoff
@@ -67,6 +68,7 @@ def retry_outcome(
                 Write.NACK,
                 message.message_id,
                 message.attempt,
+                message.delivery,
                 error=f"retry refused: {e}\n{error}",
                 queue_name=message.queue_name,
                 exception=message.exception,
@@ -75,6 +77,7 @@ def retry_outcome(
         Write.RETRY,
         message.message_id,
         message.attempt,
+        message.delivery,
         payload=payload,
         delay_ms=max(int(delay or 0), 0),
         error=error,
@@ -107,9 +110,9 @@ class OutcomeWriter:
         self._cond = threading.Condition()
         self._busy = False
         self._stopped = False
-        # (message_id, attempt) whose last try failed: it may have committed
+        # (message_id, delivery) whose last try failed: it may have committed
         # before the connection broke, so finding it applied is no stale write.
-        self._retried: set[tuple[str, int]] = set()
+        self._retried: set[tuple[str, str]] = set()
         self._thread = threading.Thread(target=self._run, name="dramatiq-pg-outcomes", daemon=True)
         self._thread.start()
 
@@ -157,7 +160,7 @@ class OutcomeWriter:
                     e,
                     backoff,
                 )
-                self._retried.update((o.message_id, o.attempt) for o in batch)
+                self._retried.update((o.message_id, o.delivery) for o in batch)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
                 continue
@@ -167,8 +170,8 @@ class OutcomeWriter:
                 )
             backoff = 0.05
             for outcome in batch:
-                self._retried.discard((outcome.message_id, outcome.attempt))
-                self.leases.release(outcome.message_id, outcome.attempt)
+                self._retried.discard((outcome.message_id, outcome.delivery))
+                self.leases.release(outcome.message_id, outcome.delivery)
             batch = []
             with self._cond:
                 self._busy = False
@@ -182,52 +185,54 @@ class OutcomeWriter:
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
         with self.database.connection(raw=True) as conn, conn.transaction():
-            applied: set[str] = set()
+            applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
-                rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.attempt for o in acks]]).fetchall()
-                applied.update(str(r[0]) for r in rows)
+                rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.delivery for o in acks]]).fetchall()
+                applied.update((str(r[0]), str(r[1])) for r in rows)
             if nacks := by_kind[Write.NACK]:
                 rows = conn.execute(
                     stmts.nack,
-                    [[o.message_id for o in nacks], [o.attempt for o in nacks], [o.error for o in nacks]],
+                    [[o.message_id for o in nacks], [o.delivery for o in nacks], [o.error for o in nacks]],
                 ).fetchall()
-                applied.update(str(r[0]) for r in rows)
+                applied.update((str(r[0]), str(r[1])) for r in rows)
             if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
                     stmts.retry,
                     [
                         [o.message_id for o in retries],
-                        [o.attempt for o in retries],
+                        [o.delivery for o in retries],
                         [o.payload for o in retries],
                         [o.delay_ms for o in retries],
                         [o.error for o in retries],
                     ],
                 ).fetchall()
-                applied.update(str(r[0]) for r in rows)
-                wakes = retry_wakes([o for o in retries if o.message_id in applied])
+                applied.update((str(r[0]), str(r[1])) for r in rows)
+                wakes = retry_wakes([o for o in retries if (o.message_id, o.delivery) in applied])
                 if wakes and self.settings.listen:
                     conn.execute(stmts.notify, [self.settings.channel, wakes])
             misses: list[Miss] = [
-                (o.kind, o.message_id, o.attempt)
+                (o.kind, o.message_id, o.attempt, o.delivery)
                 for o in batch
-                if o.kind is not Write.RESULT and o.message_id not in applied
+                if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied
             ]
             if any(o.result is not None for o in batch):
                 misses += self._write_results(conn, by_kind, applied)
             self.stale.report(conn, misses, retried=self._retried)
         for outcome in batch:
-            if outcome.kind is Write.NACK and outcome.message_id in applied:
+            if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
 
     def _write_results(
-        self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[str]
+        self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[tuple[str, str]]
     ) -> list[Miss]:
         """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones."""
         stmts = self.statements
         channel = results_channel(self.settings.schema)
         # One row per key and statement (ON CONFLICT cannot touch a row twice).
         with_ack = {
-            o.result.key: o.result for o in by_kind[Write.ACK] if o.result is not None and o.message_id in applied
+            o.result.key: o.result
+            for o in by_kind[Write.ACK]
+            if o.result is not None and (o.message_id, o.delivery) in applied
         }
         fenced = {o.result.key: o.result for o in by_kind[Write.RESULT] if o.result is not None}
         misses: list[Miss] = []
@@ -239,7 +244,9 @@ class OutcomeWriter:
                     params = {**result_params(fenced.values()), "channel": channel, "states": ["running", "dead"]}
                     written = {r[0] for r in conn.execute(stmts.result_store_fenced, params).fetchall()}
                     misses = [
-                        (Write.RESULT, w.message_id, w.attempt or 0) for key, w in fenced.items() if key not in written
+                        (Write.RESULT, w.message_id, w.attempt or 0, w.delivery)
+                        for key, w in fenced.items()
+                        if key not in written
                     ]
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise
@@ -256,14 +263,15 @@ class OutcomeWriter:
         the database cannot be reached (their leases then lapse).
         """
         ids = [p.message_id for p in proxies]
-        attempts = [p.attempt for p in proxies]
+        deliveries = [p.delivery for p in proxies]
 
         def release(conn: psycopg.Connection) -> set[str]:
-            rows = conn.execute(self.statements.requeue, [ids, attempts]).fetchall()
+            rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
             released = {str(r[0]) for r in rows}
-            self.stale.report(
-                conn, [(Write.REQUEUE, p.message_id, p.attempt) for p in proxies if p.message_id not in released]
-            )
+            misses: list[Miss] = [
+                (Write.REQUEUE, p.message_id, p.attempt, p.delivery) for p in proxies if p.message_id not in released
+            ]
+            self.stale.report(conn, misses)
             if released and self.settings.listen:
                 conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])
             return released
@@ -273,7 +281,7 @@ class OutcomeWriter:
         finally:
             for p in proxies:
                 p.settled = True
-                self.leases.release(p.message_id, p.attempt)
+                self.leases.release(p.message_id, p.delivery)
 
 
 def retry_wakes(retries: list[Outcome]) -> list[str]:
@@ -296,6 +304,7 @@ def result_params(writes: Iterable[ResultWrite]) -> dict[str, list[Any]]:
         "keys": [w.key for w in writes],
         "ids": [w.message_id for w in writes],
         "attempts": [w.attempt for w in writes],
+        "deliveries": [w.delivery for w in writes],
         "data": [w.data for w in writes],
         "ttls": [w.ttl_ms for w in writes],
     }

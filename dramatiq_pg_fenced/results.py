@@ -231,6 +231,7 @@ class PostgresBackend(ResultBackend):
             attempt=attempt_of(message),
             data=self.encoder.encode(wrapped),
             ttl_ms=int(ttl),
+            delivery=message.delivery if isinstance(message, PostgresMessageProxy) else None,
         )
 
     def _store_now(self, write: ResultWrite, states: list[State]) -> bool:
@@ -239,6 +240,7 @@ class PostgresBackend(ResultBackend):
             "keys": [write.key],
             "ids": [write.message_id],
             "attempts": [write.attempt],
+            "deliveries": [write.delivery],
             "data": [write.data],
             "ttls": [write.ttl_ms],
             "channel": self.channel,
@@ -249,7 +251,7 @@ class PostgresBackend(ResultBackend):
             fenced = {**params, "states": [s.value for s in states]}
             if conn.execute(self.statements.result_store_fenced, fenced).fetchone() is not None:
                 return True
-            self.stale.report(conn, [(Write.RESULT, write.message_id, write.attempt)])
+            self.stale.report(conn, [(Write.RESULT, write.message_id, write.attempt, write.delivery)])
         return False
 
     def _write_pending(self, message: PostgresMessageProxy) -> None:

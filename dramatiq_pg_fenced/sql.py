@@ -3,8 +3,10 @@
 Statements are templates over ``{schema}``; :func:`statements` binds them to
 a quoted schema identifier once per schema, into a typed :class:`Statements`.
 Values always travel as parameters.  Fenced statements carry
-``attempt = %s AND state = 'running'``: zero rows back means the caller's
-attempt is stale.
+``delivery = %s AND state = 'running'``: ``delivery`` is a random token each
+claim draws (migration 003), so no two deliveries ever share one, even when a
+message id is inserted again or a claim is lost in a crash and its attempt
+number handed out twice.  Zero rows back means the caller's delivery is stale.
 
 A message row moves between four states (:class:`~.fencing.State`).  Every
 legal transition, and the one statement that makes it:
@@ -13,9 +15,9 @@ legal transition, and the one statement that makes it:
 from       to         statement        who, and the fence
 =========  =========  ===============  ==============================================
 (none)     queued     enqueue(_one)    a producer; ``ON CONFLICT DO NOTHING`` by id
-queued     running    claim            a consumer; attempt + 1, a lease
-running    (deleted)  ack              the outcome writer; fenced on the attempt
-running    dead       nack             the outcome writer; fenced on the attempt
+queued     running    claim            a consumer; attempt + 1, a new token, a lease
+running    (deleted)  ack              the outcome writer; fenced on the token
+running    dead       nack             the outcome writer; fenced on the token
 running    queued     retry            the outcome writer; fenced; new payload, due time
 running    queued     requeue          shutdown release; fenced; attempt and place kept
 running    queued     release_unseen   a consumer after a lost claim response; its rows only
@@ -69,12 +71,12 @@ _TEMPLATES = {
              FOR UPDATE SKIP LOCKED
         )
         UPDATE {schema}.message AS m
-           SET state = 'running', attempt = m.attempt + 1,
+           SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
                lease_expires_at = now() + %(lease)s * interval '1 second',
                consumer_id = %(consumer)s
           FROM due
          WHERE m.message_id = due.message_id
-        RETURNING m.message_id, m.attempt, m.payload, m.priority, m.available_at, m.seq
+        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
     """,
     # Seconds until the queue's next delayed row is due (NULL: none), read
     # after a claim comes back short.  One probe of the claim index per
@@ -110,48 +112,48 @@ _TEMPLATES = {
            AND message_id <> ALL(%s::uuid[])
         RETURNING message_id
     """,
-    # -- fenced outcomes (batched: unnest of ids and attempts) ------------
+    # -- fenced outcomes (batched: unnest of ids and delivery tokens) ------
     "ack": """
         DELETE FROM {schema}.message AS m
-         USING unnest(%s::uuid[], %s::int[]) AS o(id, attempt)
-         WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
-        RETURNING m.message_id
+         USING unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
     """,
     "nack": """
         UPDATE {schema}.message AS m
            SET state = 'dead', finished_at = now(), last_error = o.error,
                lease_expires_at = NULL
-          FROM unnest(%s::uuid[], %s::int[], %s::text[]) AS o(id, attempt, error)
-         WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
-        RETURNING m.message_id
+          FROM unnest(%s::uuid[], %s::uuid[], %s::text[]) AS o(id, delivery, error)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
     """,
     "retry": """
         UPDATE {schema}.message AS m
            SET state = 'queued', payload = o.payload, last_error = o.error,
                available_at = now() + o.delay_ms * interval '1 millisecond',
                lease_expires_at = NULL, consumer_id = NULL
-          FROM unnest(%s::uuid[], %s::int[], %s::bytea[], %s::bigint[], %s::text[])
-               AS o(id, attempt, payload, delay_ms, error)
-         WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
-        RETURNING m.message_id
+          FROM unnest(%s::uuid[], %s::uuid[], %s::bytea[], %s::bigint[], %s::text[])
+               AS o(id, delivery, payload, delay_ms, error)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
     """,
     "requeue": """
         UPDATE {schema}.message AS m
            SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
-          FROM unnest(%s::uuid[], %s::int[]) AS o(id, attempt)
-         WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
-        RETURNING m.message_id
+          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
     """,
     "extend": """
         UPDATE {schema}.message AS m
            SET lease_expires_at = now() + %s * interval '1 second'
-          FROM unnest(%s::uuid[], %s::int[]) AS o(id, attempt)
-         WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = 'running'
-        RETURNING m.message_id
+          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
     """,
     # What a stale writer is told: the row as it is now.
     "current": """
-        SELECT message_id, state, attempt FROM {schema}.message WHERE message_id = ANY(%s::uuid[])
+        SELECT message_id, state, attempt, delivery FROM {schema}.message WHERE message_id = ANY(%s::uuid[])
     """,
     "count_stale": """
         INSERT INTO {schema}.counter (name, value) VALUES ('stale_writes', %s)
@@ -282,7 +284,8 @@ _TEMPLATES.update(
 # (8000 bytes) sends "*" and wakes every waiter, who then re-read.
 _RESULT_UPSERT = """
         ON CONFLICT (key) DO UPDATE
-           SET message_id = EXCLUDED.message_id, attempt = EXCLUDED.attempt, data = EXCLUDED.data,
+           SET message_id = EXCLUDED.message_id, attempt = EXCLUDED.attempt, delivery = EXCLUDED.delivery,
+               data = EXCLUDED.data,
                stored_at = now(), expires_at = EXCLUDED.expires_at
          WHERE r.attempt IS NULL OR EXCLUDED.attempt IS NULL OR r.attempt <= EXCLUDED.attempt
             OR r.expires_at <= now()
@@ -297,25 +300,32 @@ _TEMPLATES.update(
         # transaction) or that belong to no delivery (attempt NULL).
         "result_store": f"""
             WITH written AS (
-                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, data, expires_at)
-                SELECT w.key, w.message_id, w.attempt, w.data, now() + w.ttl_ms * interval '1 millisecond'
-                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(data)s::bytea[],
-                              %(ttls)s::bigint[]) AS w(key, message_id, attempt, data, ttl_ms)
+                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, delivery, data, expires_at)
+                SELECT w.key, w.message_id, w.attempt, w.delivery, w.data,
+                       now() + w.ttl_ms * interval '1 millisecond'
+                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(deliveries)s::uuid[],
+                              %(data)s::bytea[], %(ttls)s::bigint[])
+                       AS w(key, message_id, attempt, delivery, data, ttl_ms)
                 {_RESULT_UPSERT}
             )
             SELECT key, {_WAKE} FROM written
         """,
-        # Fenced: written only while the message row is at that attempt in one of
+        # Fenced: written only while the message row is at that attempt (and
+        # delivery token, when the writer knows it: a copy of a message knows
+        # only its attempt) in one of
         # %(states)s; FOR SHARE makes a concurrent claim or rescue wait for us.
         "result_store_fenced": f"""
             WITH written AS (
-                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, data, expires_at)
-                SELECT w.key, w.message_id, w.attempt, w.data, now() + w.ttl_ms * interval '1 millisecond'
-                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(data)s::bytea[],
-                              %(ttls)s::bigint[]) AS w(key, message_id, attempt, data, ttl_ms)
+                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, delivery, data, expires_at)
+                SELECT w.key, w.message_id, w.attempt, w.delivery, w.data,
+                       now() + w.ttl_ms * interval '1 millisecond'
+                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(deliveries)s::uuid[],
+                              %(data)s::bytea[], %(ttls)s::bigint[])
+                       AS w(key, message_id, attempt, delivery, data, ttl_ms)
                  WHERE EXISTS (
                        SELECT 1 FROM {{schema}}.message AS m
                         WHERE m.message_id = w.message_id::uuid AND m.attempt = w.attempt
+                          AND (w.delivery IS NULL OR m.delivery = w.delivery)
                           AND m.state = ANY(%(states)s::text[])
                           FOR SHARE)
                 {_RESULT_UPSERT}

@@ -28,55 +28,55 @@ def test_room_is_the_prefetch_of_unsettled_messages_and_under_twice_it_in_all() 
 def test_leases_count_settled_messages_out_of_the_prefetch() -> None:
     leases = Leases()
     for n in range(2):
-        leases.hold("q", f"m{n}", 1)
+        leases.hold("q", f"m{n}", 1, f"token-{n}")
     assert leases.capacity("q", 2) == 0
     leases.settle("m0")
     assert leases.capacity("q", 2) == 1
-    leases.release("m0", 1)
-    assert leases.capacity("q", 2) == 1 and leases.snapshot() == {"m1": ("q", 1)}
-    leases.release("m1", 7)  # another attempt's release changes nothing
-    assert leases.attempt_held("m1") == ("q", 1)
+    leases.release("m0", "token-0")
+    assert leases.capacity("q", 2) == 1 and leases.snapshot() == {"m1": ("q", 1, "token-1")}
+    leases.release("m1", "another delivery's token")  # changes nothing, even at the same attempt
+    assert leases.held("m1") == ("q", 1, "token-1")
 
 
 def test_leases_mark_lost_only_unsettled_deliveries_of_the_same_attempt() -> None:
     leases = Leases()
-    leases.hold("q", "a", 1)
-    leases.hold("q", "b", 1)
-    leases.hold("q", "c", 2)
+    leases.hold("q", "a", 1, "ta")
+    leases.hold("q", "b", 1, "tb")
+    leases.hold("q", "c", 2, "tc")
     leases.settle("b")
-    lost = leases.mark_lost({"a": 1, "b": 1, "c": 1}, kept=set())
-    assert lost == {"a"}  # b's outcome is on its way; c is held at another attempt
+    lost = leases.mark_lost({"a": "ta", "b": "tb", "c": "an older delivery of c"}, kept=set())
+    assert lost == {"a"}  # b's outcome is on its way; c is held as another delivery
     assert leases.is_lost("a") and not leases.is_lost("c")
 
 
 def test_retry_wakes_ring_due_queues_and_the_earliest_backoff_per_queue() -> None:
     def retry(queue: str, delay_ms: int) -> Outcome:
-        return Outcome(Write.RETRY, "id", 1, queue_name=queue, delay_ms=delay_ms)
+        return Outcome(Write.RETRY, "id", 1, "token", queue_name=queue, delay_ms=delay_ms)
 
     wakes = retry_wakes([retry("a", 0), retry("b", 500), retry("b", 200), retry("a", 0), retry("", 0)])
     assert wakes == ["a", "b\t200"]
 
 
 @pytest.mark.parametrize(
-    ("kind", "attempt", "now", "expected"),
+    ("kind", "delivery", "now", "expected"),
     [
-        (Write.ACK, 3, None, True),
-        (Write.ACK, 3, ("running", 3), False),
-        (Write.NACK, 3, ("dead", 3), True),
-        (Write.NACK, 3, ("dead", 4), False),
-        (Write.RETRY, 3, ("queued", 3), True),
-        (Write.RETRY, 3, ("running", 4), False),
-        (Write.REQUEUE, 3, ("queued", 3), False),
+        (Write.ACK, "t", None, True),
+        (Write.ACK, "t", ("running", 3, "t"), False),
+        (Write.NACK, "t", ("dead", 3, "t"), True),
+        (Write.NACK, "t", ("dead", 3, "u"), False),  # same attempt, another delivery (the id was sent again)
+        (Write.RETRY, "t", ("queued", 3, "t"), True),
+        (Write.RETRY, "t", ("running", 4, "u"), False),
+        (Write.REQUEUE, "t", ("queued", 3, "t"), False),
     ],
 )
 def test_a_write_whose_commit_was_lost_is_recognised_by_the_row_it_left(
-    kind: Write, attempt: int, now: tuple[str, int] | None, expected: bool
+    kind: Write, delivery: str, now: tuple[str, int, str] | None, expected: bool
 ) -> None:
-    assert left_by(kind, attempt, now) is expected
+    assert left_by(kind, delivery, now) is expected
 
 
 def test_stale_message_names_both_attempts() -> None:
-    text = stale_message(Write.ACK, "m", 1, (State.RUNNING.value, 2))
+    text = stale_message(Write.ACK, "m", 1, (State.RUNNING.value, 2, "t"))
     assert "attempt 1" in text and "attempt 2" in text and "'running'" in text
     assert "gone" in stale_message(Write.NACK, "m", 1, None)
 
@@ -117,7 +117,7 @@ def test_lost_claims_are_taken_once_per_queue() -> None:
 
 def test_the_proxy_is_the_one_source_of_a_deliverys_attempt() -> None:
     message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
-    proxy = PostgresMessageProxy(message, 3)
+    proxy = PostgresMessageProxy(message, 3, "token")
     assert proxy.options["attempt"] == 3  # a copy for actors and middleware
     proxy.options["attempt"] = 99  # an actor scribbling on it changes no fence
     assert attempt_of(proxy) == 3
