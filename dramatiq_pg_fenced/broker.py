@@ -63,13 +63,30 @@ class CancelOutcome(str, Enum):
     NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
 
 
-def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str) -> ConnectionPool:
-    """An opened pool of autocommit connections, for this process only (not fork-safe)."""
+def connection_kwargs(connect_timeout: int, *, prepare: bool = True) -> dict[str, Any]:
+    """How our pools connect: autocommit, and with ``prepare=False`` no server-side prepared statements.
+
+    ``listen=False`` is the set-up for PgBouncer in transaction pooling, where
+    each transaction may run on another server connection: a statement psycopg
+    prepared (after its fifth run) on one is missing on the next, or clashes
+    with another client's of the same name.  So there nothing is prepared.
+    """
+    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": connect_timeout}
+    if not prepare:
+        kwargs["prepare_threshold"] = None
+    return kwargs
+
+
+def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str, prepare: bool = True) -> ConnectionPool:
+    """An opened pool of autocommit connections, for this process only (not fork-safe).
+
+    ``prepare=False``: never prepare statements (see :func:`connection_kwargs`).
+    """
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=max_size,
-        kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+        kwargs=connection_kwargs(connect_timeout, prepare=prepare),
         timeout=connect_timeout * 2,
         open=False,
         name=f"dramatiq-pg-{name}-{os.getpid()}",
@@ -86,7 +103,11 @@ class _ProcessState:
         self.pid = os.getpid()
         self.owns_pool = broker._given_pool is None
         self.pool = broker._given_pool or new_pool(
-            broker.url, max_size=broker.pool_max_size, connect_timeout=broker.connect_timeout, name="broker"
+            broker.url,
+            max_size=broker.pool_max_size,
+            connect_timeout=broker.connect_timeout,
+            name="broker",
+            prepare=broker.listen,  # listen=False: maybe behind a transaction pooler
         )
         self.schema_checked = False
         conninfo = broker.url

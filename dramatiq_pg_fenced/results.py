@@ -163,7 +163,11 @@ class Connections:
         with self._lock:
             if self._pool is None:
                 self._pool = new_pool(
-                    self.url or "", max_size=self.pool_max_size, connect_timeout=self.connect_timeout, name=self.channel
+                    self.url or "",
+                    max_size=self.pool_max_size,
+                    connect_timeout=self.connect_timeout,
+                    name=self.channel,
+                    prepare=self.listen,  # listen=False: maybe behind a transaction pooler
                 )
             return self._pool
 
