@@ -684,9 +684,12 @@ class PostgresBroker(Broker):
         system after a one-off spike.  It runs ``VACUUM (FULL)``, which locks
         the message table (enqueues and claims wait) for as long as copying
         its live rows takes: milliseconds when it is nearly empty, so run it
-        then.  It waits at most *lock_timeout* seconds for the lock and fails
-        rather than queue every worker behind it.  Needs the table's owner
-        (or ``MAINTAIN`` on PostgreSQL 17+).
+        then.  It never queues for the lock (every worker would wait behind
+        it): it takes the lock only when the table is free, trying again for
+        at most *lock_timeout* seconds, then fails.  No session setting is
+        involved, so nothing outlives it on a pooled connection (PgBouncer).
+        Needs the table's owner (or ``MAINTAIN`` on PostgreSQL 17+); any
+        other role gets a :class:`BrokerError` saying so.
         """
         table = f'"{self.schema}".message'
 
@@ -697,15 +700,11 @@ class PostgresBroker(Broker):
         with self._pool_connection() as conn:  # autocommit: VACUUM refuses to run in a transaction
             before = size(conn)
             try:
-                conn.execute(self._sql.lock_timeout, [f"{int(lock_timeout * 1000)}ms"])
-                conn.execute(self._sql.compact)
+                _vacuum_full(conn, self._sql, table, lock_timeout)
             except psycopg.Error as e:
                 if lost_connection(e):
                     raise  # ConnectionClosed, as for every other call
                 raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
-            finally:
-                with suppress(psycopg.Error):
-                    conn.execute(self._sql.lock_timeout, ["0"])
             after = size(conn)
         return {"bytes_before": before, "bytes_after": after}
 
@@ -719,6 +718,34 @@ class PostgresBroker(Broker):
             queues.setdefault(queue_name, {})[state] = count
         held = self._leases.held() if self._proc is not None else {}
         return {"process": {**local, "held": len(held)}, "totals": totals, "queues": queues}
+
+
+def _vacuum_full(conn: psycopg.Connection, sql: Any, table: str, lock_timeout: float) -> None:
+    """``VACUUM (FULL, SKIP_LOCKED)`` *table* until it is rewritten, for at most *lock_timeout* seconds.
+
+    Raises :class:`BrokerError` when this role may not vacuum it (the server
+    would only warn and do nothing) or when it stayed in use throughout.
+    """
+    row = conn.execute(sql.may_vacuum, [table]).fetchone()
+    if not (row and row[0]):
+        raise BrokerError(
+            f"cannot compact {table}: VACUUM (FULL) needs the table's owner (or, on PostgreSQL 17+, "
+            f"GRANT MAINTAIN ON {table} TO {conn.info.user}); role {conn.info.user!r} has neither"
+        )
+    deadline = time.monotonic() + lock_timeout
+    pause = 0.005
+    while True:
+        before = conn.execute(sql.file_node, [table]).fetchone()
+        conn.execute(sql.compact)
+        if conn.execute(sql.file_node, [table]).fetchone() != before:
+            return  # rewritten
+        if time.monotonic() + pause > deadline:
+            raise BrokerError(
+                f"cannot compact {table}: other sessions kept it in use past the lock timeout ({lock_timeout:g} s); "
+                "run it when the queue is quieter, or with a longer lock_timeout"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _left_by(kind: str, attempt: int, now: tuple[str, int] | None) -> bool:
