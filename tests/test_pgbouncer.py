@@ -244,8 +244,14 @@ def test_migrate_as_the_schema_owner_without_create_on_the_database(least_privil
     assert "nothing to do" in again.stdout
     # The owner may not create a schema in this database: a one-line error naming the privilege.
     assert_one_line_error(cli(owner_url, lp.schema + "_new", "migrate"), "CREATE", "permission denied")
-    # The application role owns nothing: it cannot migrate, and says why in one line.
+    # The application role owns nothing: without its grants it cannot even read the schema, and says so in one line.
     assert_one_line_error(cli(pgbouncer.url(lp.app), lp.schema, "migrate"), "permission denied")
+    # With them, a migrate that has nothing to do changes nothing, so it needs nothing more
+    # (an application may call broker.migrate() at start-up).
+    lp.grant()
+    as_app = cli(pgbouncer.url(lp.app), lp.schema, "migrate")
+    assert as_app.returncode == 0, as_app.stderr
+    assert "nothing to do" in as_app.stdout
 
 
 def test_compact_as_a_non_owner_is_an_error_naming_the_privilege(least_privilege, pgbouncer, closing):
