@@ -55,6 +55,7 @@ class PostgresConsumer(Consumer):
         # this process listened, several delays in one enqueue_many, listen=False).
         self.next_due: float | None = None
         self._timed_seen = 0
+        self._due_read_at = 0.0  # monotonic; without LISTEN the next due time is read again now and then
         # The keeper also rescues other processes' expired leases: a consuming
         # process must run it even before it holds anything, or a message of a
         # dead or paused worker waits until some worker happens to claim.
@@ -122,12 +123,24 @@ class PostgresConsumer(Consumer):
             self.buffer.append(PostgresMessageProxy(message, attempt))
 
     def _due_unknown(self) -> bool:
-        """Must the next due time be read again? Unknown, passed, or new delayed rows were announced."""
+        """Must the next due time be read again? Unknown, passed, or new delayed rows were announced.
+
+        Without LISTEN nothing announces them: read it again after every short
+        claim at least half a poll interval after the last read, so a delayed
+        message starts by ``max(due, enqueued + poll_interval)``.
+        """
         doorbell = self.broker._state().doorbell
-        timed = doorbell.timed_count(self.queue_name) if doorbell is not None else 0
-        changed = timed != self._timed_seen
-        self._timed_seen = timed
-        return self.next_due is None or self.next_due <= time.monotonic() or changed
+        now = time.monotonic()
+        if doorbell is None:
+            changed = now - self._due_read_at >= self.broker.poll_interval / 2
+        else:
+            timed = doorbell.timed_count(self.queue_name)
+            changed = timed != self._timed_seen
+            self._timed_seen = timed
+        unknown = self.next_due is None or self.next_due <= now or changed
+        if unknown:
+            self._due_read_at = now
+        return unknown
 
     def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
         broker = self.broker

@@ -33,7 +33,14 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from .results import DEFAULT_POLL_INTERVAL, DEFAULT_PURGE_INTERVAL, DEFAULT_SCHEMA, Connections, write_pending
+from .results import (
+    DEFAULT_POLL_INTERVAL,
+    DEFAULT_PURGE_INTERVAL,
+    DEFAULT_SCHEMA,
+    Connections,
+    poll_pauses,
+    write_pending,
+)
 from .sql import check_schema, rate_limits_channel, statements
 
 if TYPE_CHECKING:
@@ -172,6 +179,7 @@ class PostgresBackend(RateLimiterBackend):
         """
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         listener = self._db.listener()
+        pauses = poll_pauses(self.poll_interval, listening=listener is not None)
         with listener.waiting(key) if listener is not None else nullcontext(Event()) as event:
             while True:
                 event.clear()
@@ -180,7 +188,7 @@ class PostgresBackend(RateLimiterBackend):
                 remaining = self.poll_interval if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                event.wait(min(remaining, self.poll_interval))
+                event.wait(min(remaining, next(pauses)))
 
     def wait_notify(self, key: str, ttl: int) -> None:
         """Record an event on *key* for *ttl* ms and wake every ``wait`` on it, in any process."""

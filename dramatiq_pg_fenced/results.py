@@ -32,7 +32,8 @@ How it behaves, and why:
 - ``get_result(block=True)`` waits on LISTEN/NOTIFY (one listening connection
   per process, the result key as payload) and re-reads at least every
   ``poll_interval`` seconds: a lost notification costs one interval, never a
-  result.  Sub-second timeouts are respected.
+  result.  Without LISTEN (``listen=False``, PgBouncer) it re-reads after
+  10 ms, doubling up to ``poll_interval``.  Sub-second timeouts are respected.
 - **Fencing.**  A message our broker delivered carries
   ``options["attempt"]``.  Its result is written only while its row is still
   held by that attempt (a stored exception: while that attempt's nack holds
@@ -95,6 +96,20 @@ DEFAULT_PURGE_INTERVAL = 60.0
 PURGE_BATCH = 1000
 
 logger = logging.getLogger(__name__)
+
+
+def poll_pauses(poll_interval: float, *, listening: bool) -> Iterator[float]:
+    """Pauses between re-reads of a blocking wait.
+
+    Listening, a notification ends a pause early: ``poll_interval`` each.
+    Without LISTEN (PgBouncer) nothing does: 10 ms first, doubling up to
+    ``poll_interval``, so what is ready within milliseconds is read within
+    milliseconds, and a long wait costs a few reads more than plain polling.
+    """
+    pause = poll_interval if listening else min(0.01, poll_interval)
+    while True:
+        yield pause
+        pause = min(pause * 2, poll_interval)
 
 
 class Connections:
@@ -323,6 +338,7 @@ class PostgresBackend(ResultBackend):
             return self.unwrap_result(data)
         deadline = time.monotonic() + timeout / 1000
         listener = self._db.listener()
+        pauses = poll_pauses(self.poll_interval, listening=listener is not None)
         with listener.waiting(key) if listener is not None else nullcontext(threading.Event()) as event:
             while True:
                 event.clear()  # a notification from here on ends the wait below
@@ -332,7 +348,7 @@ class PostgresBackend(ResultBackend):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ResultTimeout(message)
-                event.wait(min(remaining, self.poll_interval))
+                event.wait(min(remaining, next(pauses)))
         return self.unwrap_result(data)
 
     def _get(self, message_key: str) -> Any:
