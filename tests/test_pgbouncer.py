@@ -406,6 +406,9 @@ def run_workload(
         dramatiq_cli(broker, APP, "--processes", "1", "--threads", "4", "--worker-shutdown-timeout", "5000")
         for _ in range(2)
     ]
+    wait_for(
+        lambda: all("ready for action" in p.log_path.read_text() for p in procs), timeout=30, what="the workers"
+    )  # so the delays' lateness is the broker's, not the workers' start-up
     began = time.monotonic()
     w = send_workload(broker, actors)
     for thing, expected in w.results:
@@ -473,12 +476,7 @@ def run_workload(
     logs = "\n".join(p.log_path.read_text() for p in procs)
     for bad in ("prepared statement", "cannot reach PostgreSQL", "could not write", "Lease of message"):
         assert bad not in logs, f"{bad!r} in the worker logs:\n{logs[-3000:]}"
-    return {
-        "messages": len(w.expected),
-        "executions": sum(counted.values()),
-        "seconds": elapsed,
-        "max_delay_lateness": max(lateness),
-    }
+    return {"messages": len(w.expected), "executions": sum(counted.values()), "seconds": round(elapsed, 2)}
 
 
 @pytest.mark.slow
