@@ -145,7 +145,8 @@ class PostgresBroker(Broker):
       schema: where the tables live (``broker.migrate()`` creates it).
       lease_seconds: how long a claimed message is held without extension.
       poll_interval: seconds between claims when no doorbell rings.
-      listen: ``False`` turns LISTEN/NOTIFY off (PgBouncer transaction pooling).
+      listen: ``False`` turns LISTEN/NOTIFY off, and server-side prepared
+        statements in the pool made from ``url`` (PgBouncer transaction pooling).
       max_payload_bytes: larger encoded messages are refused at enqueue.
       dead_message_ttl: seconds dead letters and cancellations are kept.
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``

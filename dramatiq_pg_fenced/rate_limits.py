@@ -62,8 +62,9 @@ class PostgresBackend(RateLimiterBackend):
       schema: where the tables live (migration 002); defaults to the
         broker's, else ``"dramatiq"``.
       broker: a :class:`PostgresBroker` whose pool to share (when in its schema).
-      listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
-        ``wait`` then polls.  Defaults to the broker's setting.
+      listen: ``False`` turns LISTEN off, and prepared statements in a pool
+        made from ``url`` (PgBouncer transaction pooling); ``wait`` then polls.
+        Defaults to the broker's setting.
       poll_interval: seconds between re-reads in ``wait``.
       purge_interval: seconds between purges of expired keys, per process.
     """

@@ -265,8 +265,9 @@ class PostgresBackend(ResultBackend):
       broker: the :class:`PostgresBroker` that runs the actors: share its pool
         and commit results with acks (see the module docstring).
       namespace, encoder, use_namespace_prefix_keys: as Dramatiq's backends.
-      listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
-        blocking reads then poll.  Defaults to the broker's setting.
+      listen: ``False`` turns LISTEN off, and prepared statements in a pool
+        made from ``url`` (PgBouncer transaction pooling); blocking reads then
+        poll.  Defaults to the broker's setting.
       poll_interval: seconds between re-reads while blocking.
       purge_interval: seconds between purges of expired results, per process.
     """
