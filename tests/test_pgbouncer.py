@@ -195,10 +195,14 @@ def test_compact_through_pgbouncer_leaves_no_setting_behind(pgbouncer, dramatiq_
     broker.enqueue_many([message() for _ in range(500)])
     broker.flush("default")
     stop = threading.Event()
+    errors: list[BaseException] = []
 
     def busy() -> None:
-        while not stop.is_set():
-            others.stats()
+        try:
+            while not stop.is_set():
+                others.stats()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
 
     threads = [threading.Thread(target=busy) for _ in range(3)]
     for t in threads:
@@ -211,6 +215,7 @@ def test_compact_through_pgbouncer_leaves_no_setting_behind(pgbouncer, dramatiq_
         stop.set()
         for t in threads:
             t.join()
+    assert errors == []
     assert assert_clean(pgbouncer, pgbouncer.admin_user) >= 2
 
 
@@ -294,9 +299,10 @@ def test_delays_without_listen_start_on_time(dramatiq_pg_broker_factory):
         stop_worker(broker)
     lateness = {n: started[n] - sent[n] - delays[n] for n in delays}
     assert all(v > -0.02 for v in lateness.values()), lateness  # never early
-    # Due after the next poll: on time.  Due before it (n=3): by the next poll.
-    assert max(lateness[n] for n in (0, 1, 2)) < 0.15, lateness
-    assert started[3] - sent[3] < 0.5 + 0.15, lateness
+    # Due after the next poll: on time (polling alone, every 0.5 s, makes one of these three at
+    # least 0.3 s late, whatever the phase).  Due before it (n=3): by the next poll.
+    assert max(lateness[n] for n in (0, 1, 2)) < 0.25, lateness
+    assert started[3] - sent[3] < 0.5 + 0.25, lateness
 
 
 def test_blocking_result_read_without_listen_is_prompt(dramatiq_pg_broker_factory, dramatiq_pg_url, closing):
