@@ -525,3 +525,28 @@ def test_workload_as_a_least_privilege_role(
     assert cli(pgbouncer.url(lp.owner), lp.schema, "compact").returncode == 0
     servers = assert_clean(pgbouncer, lp.app) + assert_clean(pgbouncer, lp.owner)
     print(f"\nworkload as {lp.app}: {figures}, {servers} server connections checked")
+
+
+def test_operator_commands_need_what_the_readme_says(least_privilege, pgbouncer, closing):
+    """The README's table: stats and inspect read; cancel also updates ``message``; compact needs the owner."""
+    lp = least_privilege
+    owner_url, ops_url = pgbouncer.url(lp.owner), pgbouncer.url(lp.app)
+    assert cli(owner_url, lp.schema, "migrate").returncode == 0
+    owner = closing(PostgresBroker(owner_url, schema=lp.schema, listen=False))
+    m = owner.enqueue(message("plain", "parked"))
+
+    def grant(text: str) -> None:
+        with psycopg.connect(owner_url, autocommit=True, prepare_threshold=None) as conn:
+            conn.execute(sql.SQL(text).format(s=sql.Identifier(lp.schema), r=sql.Identifier(lp.app)))
+
+    grant("GRANT USAGE ON SCHEMA {s} TO {r}")
+    grant("GRANT SELECT ON {s}.message, {s}.counter, {s}.schema_version TO {r}")
+    stats = cli(ops_url, lp.schema, "stats")
+    assert stats.returncode == 0 and '"parked"' in stats.stdout, stats
+    inspected = cli(ops_url, lp.schema, "inspect", m.message_id)
+    assert inspected.returncode == 0 and '"queued"' in inspected.stdout, inspected
+    assert_one_line_error(cli(ops_url, lp.schema, "cancel", m.message_id), "permission denied")
+    grant("GRANT UPDATE ON {s}.message TO {r}")
+    cancelled = cli(ops_url, lp.schema, "cancel", m.message_id)
+    assert cancelled.returncode == 0 and "cancelled_queued" in cancelled.stdout, cancelled
+    assert_one_line_error(cli(ops_url, lp.schema, "compact"), "owner", "MAINTAIN")
