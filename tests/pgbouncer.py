@@ -127,7 +127,7 @@ logfile = {self.dir / "pgbouncer.log"}
             kwargs: dict = {}
             if self.user is not None:
                 kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
-            log = open(self.dir / "stdout.log", "ab")  # noqa: SIM115 (closed with the process)
+            log = open(self.dir / "stdout.log", "ab")  # closed below, once the process has it
             self.proc = subprocess.Popen(
                 [exe, str(self.dir / "pgbouncer.ini")],
                 stdout=log,
