@@ -6,7 +6,7 @@ broker's methods of the same names call them, as does the CLI.
 
 from __future__ import annotations
 
-from contextlib import suppress
+import time
 from enum import Enum
 from typing import Any
 
@@ -80,7 +80,7 @@ def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, 
 
 
 def compact(database: Database, statements: Statements, *, lock_timeout: float) -> dict[str, int]:
-    """``VACUUM (FULL)`` of the message table under a lock timeout; see :meth:`PostgresBroker.compact`."""
+    """``VACUUM (FULL)`` of the message table, never queued for its lock; see :meth:`PostgresBroker.compact`."""
     table = f'"{database.schema}".message'
 
     def size(conn: psycopg.Connection) -> int:
@@ -90,14 +90,38 @@ def compact(database: Database, statements: Statements, *, lock_timeout: float) 
     with database.connection() as conn:  # autocommit: VACUUM refuses to run in a transaction
         before = size(conn)
         try:
-            conn.execute(statements.lock_timeout, [f"{int(lock_timeout * 1000)}ms"])
-            conn.execute(statements.compact)
+            _vacuum_full(conn, statements, table, lock_timeout)
         except psycopg.Error as e:
             if lost_connection(e):
                 raise  # ConnectionClosed, as for every other call
             raise BrokerError(f"cannot compact {table}: {describe_failure(e)}") from None
-        finally:
-            with suppress(psycopg.Error):
-                conn.execute(statements.lock_timeout, ["0"])
         after = size(conn)
     return {"bytes_before": before, "bytes_after": after}
+
+
+def _vacuum_full(conn: psycopg.Connection, statements: Statements, table: str, lock_timeout: float) -> None:
+    """``VACUUM (FULL, SKIP_LOCKED)`` *table* until it is rewritten, for at most *lock_timeout* seconds.
+
+    Raises :class:`BrokerError` when this role may not vacuum it (the server
+    would only warn and do nothing) or when it stayed in use throughout.
+    """
+    row = conn.execute(statements.may_vacuum, [table]).fetchone()
+    if not (row and row[0]):
+        raise BrokerError(
+            f"cannot compact {table}: VACUUM (FULL) needs the table's owner (or, on PostgreSQL 17+, "
+            f"GRANT MAINTAIN ON {table} TO {conn.info.user}); role {conn.info.user!r} has neither"
+        )
+    deadline = time.monotonic() + lock_timeout
+    pause = 0.005
+    while True:
+        before = conn.execute(statements.file_node, [table]).fetchone()
+        conn.execute(statements.compact)
+        if conn.execute(statements.file_node, [table]).fetchone() != before:
+            return  # rewritten
+        if time.monotonic() + pause > deadline:
+            raise BrokerError(
+                f"cannot compact {table}: other sessions kept it in use past the lock timeout ({lock_timeout:g} s); "
+                "run it when the queue is quieter, or with a longer lock_timeout"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)

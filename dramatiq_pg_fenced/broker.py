@@ -81,7 +81,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
       lease_seconds: how long a claimed message is held without extension.
       poll_interval: seconds between claims when no doorbell rings.
       rescue_interval: seconds between two returns of expired leases to their queues.
-      listen: ``False`` turns LISTEN/NOTIFY off (PgBouncer transaction pooling).
+      listen: ``False`` turns LISTEN/NOTIFY off, and server-side prepared
+        statements in the pool made from ``url`` (PgBouncer transaction pooling).
       max_payload_bytes: larger encoded messages are refused at enqueue.
       dead_message_ttl: seconds dead letters and cancellations are kept.
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
@@ -119,7 +120,12 @@ class PostgresBroker(SkipNoopHooks, Broker):
             dead_message_ttl=dead_message_ttl,
         )
         self.database = Database(
-            url, pool=pool, schema=schema, connect_timeout=connect_timeout, pool_max_size=pool_max_size
+            url,
+            pool=pool,
+            schema=schema,
+            connect_timeout=connect_timeout,
+            pool_max_size=pool_max_size,
+            prepare=listen,  # listen=False: maybe behind a transaction pooler
         )
         self.statements = statements(schema)
         self.max_payload_bytes = max_payload_bytes
@@ -419,9 +425,12 @@ class PostgresBroker(SkipNoopHooks, Broker):
         system after a one-off spike.  It runs ``VACUUM (FULL)``, which locks
         the message table (enqueues and claims wait) for as long as copying
         its live rows takes: milliseconds when it is nearly empty, so run it
-        then.  It waits at most *lock_timeout* seconds for the lock and fails
-        rather than queue every worker behind it.  Needs the table's owner
-        (or ``MAINTAIN`` on PostgreSQL 17+).
+        then.  It never queues for the lock (every worker would wait behind
+        it): it takes the lock only when the table is free, trying again for
+        at most *lock_timeout* seconds, then fails.  No session setting is
+        involved, so nothing outlives it on a pooled connection (PgBouncer).
+        Needs the table's owner (or ``MAINTAIN`` on PostgreSQL 17+); any
+        other role gets a :class:`BrokerError` saying so.
         """
         return admin.compact(self.database, self.statements, lock_timeout=lock_timeout)
 

@@ -12,11 +12,13 @@ import os
 import sys
 from typing import Any
 
+import psycopg
 from dramatiq.errors import BrokerError
 
 from . import __version__
 from .broker import PostgresBroker
 from .config import DEFAULT_SCHEMA
+from .errors import describe_failure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run(broker, args)
     except BrokerError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except psycopg.Error as e:  # e.g. permission denied: one line, not a traceback
+        print(f"error: {describe_failure(e)}", file=sys.stderr)
         return 1
     finally:
         broker.close()

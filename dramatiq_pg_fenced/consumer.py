@@ -93,6 +93,7 @@ class PostgresConsumer(Consumer):
         # this process listened, several delays in one enqueue_many, listen=False).
         self.next_due: float | None = None
         self._timed_seen = 0
+        self._due_read_at = 0.0  # monotonic; without LISTEN the next due time is read again now and then
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout
@@ -161,11 +162,23 @@ class PostgresConsumer(Consumer):
             self.buffer.append(PostgresMessageProxy(message, attempt, delivery))
 
     def _due_unknown(self) -> bool:
-        """Must the next due time be read again? Unknown, passed, or new delayed rows were announced."""
-        timed = self._doorbell.timed_count(self.queue_name) if self._doorbell is not None else 0
-        changed = timed != self._timed_seen
-        self._timed_seen = timed
-        return self.next_due is None or self.next_due <= time.monotonic() or changed
+        """Must the next due time be read again? Unknown, passed, or new delayed rows were announced.
+
+        Without LISTEN nothing announces them: read it again after every short
+        claim at least half a poll interval after the last read, so a delayed
+        message starts by ``max(due, enqueued + poll_interval)``.
+        """
+        now = time.monotonic()
+        if self._doorbell is None:
+            changed = now - self._due_read_at >= self.settings.poll_interval / 2
+        else:
+            timed = self._doorbell.timed_count(self.queue_name)
+            changed = timed != self._timed_seen
+            self._timed_seen = timed
+        unknown = self.next_due is None or self.next_due <= now or changed
+        if unknown:
+            self._due_read_at = now
+        return unknown
 
     def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
         params = {

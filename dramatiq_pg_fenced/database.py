@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from dramatiq.errors import ConnectionClosed
@@ -46,13 +46,30 @@ def this_process() -> int:
     return _pid
 
 
-def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str) -> ConnectionPool:
-    """An opened pool of autocommit connections, for this process only (not fork-safe)."""
+def connection_kwargs(connect_timeout: int, *, prepare: bool = True) -> dict[str, Any]:
+    """How our pools connect: autocommit, and with ``prepare=False`` no server-side prepared statements.
+
+    ``listen=False`` is the set-up for PgBouncer in transaction pooling, where
+    each transaction may run on another server connection: a statement psycopg
+    prepared (after its fifth run) on one is missing on the next, or clashes
+    with another client's of the same name.  So there nothing is prepared.
+    """
+    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": connect_timeout}
+    if not prepare:
+        kwargs["prepare_threshold"] = None
+    return kwargs
+
+
+def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str, prepare: bool = True) -> ConnectionPool:
+    """An opened pool of autocommit connections, for this process only (not fork-safe).
+
+    ``prepare=False``: never prepare statements (see :func:`connection_kwargs`).
+    """
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=max_size,
-        kwargs={"autocommit": True, "connect_timeout": connect_timeout},
+        kwargs=connection_kwargs(connect_timeout, prepare=prepare),
         timeout=connect_timeout * 2,
         open=False,
         name=f"dramatiq-pg-{name}-{os.getpid()}",
@@ -88,6 +105,8 @@ class Database:
         caller owns; used instead of ``url`` for queries (LISTEN still needs
         a connection of its own, made with the pool's conninfo).
       schema: checked to be migrated on the first connection of a process.
+      prepare: ``False`` turns psycopg's server-side prepared statements off
+        in the pool made from ``url`` (behind PgBouncer in transaction pooling).
       name: for the pool's name in logs.
     """
 
@@ -99,6 +118,7 @@ class Database:
         schema: str,
         connect_timeout: int,
         pool_max_size: int,
+        prepare: bool = True,
         name: str = "broker",
     ) -> None:
         self.url = url or ""
@@ -106,6 +126,7 @@ class Database:
         self.schema = schema
         self.connect_timeout = connect_timeout
         self.pool_max_size = pool_max_size
+        self.prepare = prepare
         self.name = name
         self._lock = threading.Lock()
         self._local: _ProcessLocal | None = None
@@ -118,7 +139,11 @@ class Database:
                 local = self._local
                 if local is None or local.pid != os.getpid():
                     pool = self.given_pool or new_pool(
-                        self.url, max_size=self.pool_max_size, connect_timeout=self.connect_timeout, name=self.name
+                        self.url,
+                        max_size=self.pool_max_size,
+                        connect_timeout=self.connect_timeout,
+                        name=self.name,
+                        prepare=self.prepare,
                     )
                     local = self._local = _ProcessLocal(pool, owns_pool=self.given_pool is None)
         return local

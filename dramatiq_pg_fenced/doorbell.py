@@ -138,3 +138,17 @@ class Doorbell:
             self._timers.remove(farthest)
             heapq.heapify(self._timers)
         heapq.heappush(self._timers, (due, key))
+
+
+def poll_pauses(poll_interval: float, *, listening: bool) -> Iterator[float]:
+    """Pauses between re-reads of a blocking wait.
+
+    Listening, a notification ends a pause early: ``poll_interval`` each.
+    Without LISTEN (PgBouncer) nothing does: 10 ms first, doubling up to
+    ``poll_interval``, so what is ready within milliseconds is read within
+    milliseconds, and a long wait costs a few reads more than plain polling.
+    """
+    pause = poll_interval if listening else min(0.01, poll_interval)
+    while True:
+        yield pause
+        pause = min(pause * 2, poll_interval)

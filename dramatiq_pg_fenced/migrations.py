@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 import psycopg
+import psycopg.errors
 from psycopg import sql
 
 from .errors import SchemaError
@@ -64,13 +65,18 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
 
     Safe to run twice and from several processes at once: a transaction-level
     advisory lock serialises them and the second one finds nothing to do.
+    With nothing to do it changes nothing, so any role that can read the
+    schema may call it; otherwise it needs the schema's owner (or ``CREATE``
+    on the database when the schema does not exist yet).
     """
     check_schema(schema)
     ident = sql.Identifier(schema)
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_key(schema)])
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        if current_version(conn, schema) >= latest_version():
+            return applied
+        _create_schema(conn, schema)
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.schema_version ("
@@ -89,6 +95,25 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
             )
             applied.append(version)
     return applied
+
+
+def _create_schema(conn: psycopg.Connection, schema: str) -> None:
+    """Create *schema* if it is missing, inside the migration's transaction.
+
+    Only if missing: ``CREATE SCHEMA IF NOT EXISTS`` needs ``CREATE`` on the
+    database even when the schema exists, which its owner may well lack.
+    """
+    if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
+        return
+    ident = sql.Identifier(schema)
+    try:
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+    except psycopg.errors.InsufficientPrivilege as e:
+        role = sql.Identifier(conn.info.user).as_string(conn)
+        raise SchemaError(
+            f"cannot create schema {schema!r} ({str(e).splitlines()[0]}): grant the migrating role CREATE on "
+            f"the database, or create the schema for it: CREATE SCHEMA {ident.as_string(conn)} AUTHORIZATION {role}"
+        ) from None
 
 
 def check(conn: psycopg.Connection, schema: str, url_hint: str = "URL") -> None:

@@ -42,6 +42,7 @@ from .config import (
 )
 from .database import Database
 from .delivery import write_pending
+from .doorbell import poll_pauses
 from .maintenance import PurgeSchedule
 from .sql import check_schema, rate_limits_channel, statements
 
@@ -64,8 +65,9 @@ class PostgresBackend(RateLimiterBackend):
       schema: where the tables live (migration 002); defaults to the
         broker's, else ``"dramatiq"``.
       broker: a :class:`PostgresBroker` whose pool to share (when in its schema).
-      listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
-        ``wait`` then polls.  Defaults to the broker's setting.
+      listen: ``False`` turns LISTEN off, and prepared statements in a pool
+        made from ``url`` (PgBouncer transaction pooling); ``wait`` then polls.
+        Defaults to the broker's setting.
       poll_interval: seconds between re-reads in ``wait``.
       purge_interval: seconds between purges of expired keys, per process.
     """
@@ -105,6 +107,7 @@ class PostgresBackend(RateLimiterBackend):
                 schema=self.schema,
                 connect_timeout=connect_timeout,
                 pool_max_size=pool_max_size,
+                prepare=self.listen,  # listen=False: maybe behind a transaction pooler
                 name="rate-limits",
             )
         )
@@ -184,6 +187,7 @@ class PostgresBackend(RateLimiterBackend):
         """
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         doorbell = self.database.doorbell(self.channel) if self.listen else None
+        pauses = poll_pauses(self.poll_interval, listening=doorbell is not None)
         with doorbell.waiting(key) if doorbell is not None else nullcontext(Event()) as event:
             while True:
                 event.clear()
@@ -192,7 +196,7 @@ class PostgresBackend(RateLimiterBackend):
                 remaining = self.poll_interval if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                event.wait(min(remaining, self.poll_interval))
+                event.wait(min(remaining, next(pauses)))
 
     def wait_notify(self, key: str, ttl: int) -> None:
         """Record an event on *key* for *ttl* ms and wake every ``wait`` on it, in any process."""

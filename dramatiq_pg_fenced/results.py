@@ -32,7 +32,8 @@ How it behaves, and why:
 - ``get_result(block=True)`` waits on LISTEN/NOTIFY (one listening connection
   per process, the result key as payload) and re-reads at least every
   ``poll_interval`` seconds: a lost notification costs one interval, never a
-  result.  Sub-second timeouts are respected.
+  result.  Without LISTEN (``listen=False``, PgBouncer) it re-reads after
+  10 ms, doubling up to ``poll_interval``.  Sub-second timeouts are respected.
 - **Fencing.**  A message our broker delivered carries
   ``options["attempt"]``.  Its result is written only while its row is still
   held by that attempt (a stored exception: while that attempt's nack holds
@@ -82,6 +83,7 @@ from .config import (
 )
 from .database import Database
 from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, write_pending
+from .doorbell import poll_pauses
 from .fencing import StaleWrites, State, Write
 from .maintenance import PurgeSchedule
 from .sql import check_schema, results_channel, statements
@@ -99,8 +101,9 @@ class PostgresBackend(ResultBackend):
       broker: the :class:`PostgresBroker` that runs the actors: share its
         database and commit results with acks (see the module docstring).
       namespace, encoder, use_namespace_prefix_keys: as Dramatiq's backends.
-      listen: ``False`` turns LISTEN off (PgBouncer transaction pooling);
-        blocking reads then poll.  Defaults to the broker's setting.
+      listen: ``False`` turns LISTEN off, and prepared statements in a pool
+        made from ``url`` (PgBouncer transaction pooling); blocking reads then
+        poll.  Defaults to the broker's setting.
       poll_interval: seconds between re-reads while blocking.
       purge_interval: seconds between purges of expired results, per process.
     """
@@ -147,6 +150,7 @@ class PostgresBackend(ResultBackend):
                 schema=self.schema,
                 connect_timeout=connect_timeout,
                 pool_max_size=pool_max_size,
+                prepare=self.listen,  # listen=False: maybe behind a transaction pooler
                 name="results",
             )
         )
@@ -175,6 +179,7 @@ class PostgresBackend(ResultBackend):
             return self.unwrap_result(data)
         deadline = time.monotonic() + timeout / 1000
         doorbell = self.database.doorbell(self.channel) if self.listen else None
+        pauses = poll_pauses(self.poll_interval, listening=doorbell is not None)
         with doorbell.waiting(key) if doorbell is not None else nullcontext(threading.Event()) as event:
             while True:
                 event.clear()  # a notification from here on ends the wait below
@@ -184,7 +189,7 @@ class PostgresBackend(ResultBackend):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ResultTimeout(message)
-                event.wait(min(remaining, self.poll_interval))
+                event.wait(min(remaining, next(pauses)))
         return self.unwrap_result(data)
 
     def _get(self, message_key: str) -> Any:

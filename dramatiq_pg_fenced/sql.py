@@ -193,9 +193,14 @@ _TEMPLATES = {
     # VACUUM can neither shrink index files nor move the few live rows off
     # the end of the heap; VACUUM FULL rewrites both, under an exclusive lock
     # held as long as copying the live rows takes (short when near empty).
+    # SKIP_LOCKED: a table in use is skipped at once (with a WARNING), rather
+    # than waited for at the head of the lock queue, where every enqueue and
+    # claim would wait behind it.  No lock_timeout, so no session setting that
+    # could outlive the statement (PgBouncer).  Whether the table was
+    # rewritten shows in its file node.
     "message_size": "SELECT pg_total_relation_size(to_regclass(%s))",
-    "compact": "VACUUM (FULL) {schema}.message",
-    "lock_timeout": "SELECT set_config('lock_timeout', %s, false)",
+    "compact": "VACUUM (FULL, SKIP_LOCKED) {schema}.message",
+    "file_node": "SELECT pg_relation_filenode(to_regclass(%s))",
     # Whether this role may vacuum the table (else VACUUM only warns): its
     # owner's privileges, a superuser, or (PostgreSQL 17+) MAINTAIN.
     "may_vacuum": """
@@ -436,7 +441,7 @@ class Statements:
     vacuum: bytes
     message_size: bytes
     compact: bytes
-    lock_timeout: bytes
+    file_node: bytes
     may_vacuum: bytes
     state_of: bytes
     inspect: bytes

@@ -4,15 +4,22 @@ own pytest plugin (``dramatiq_pg_fenced.testing``), as they would for users."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import dramatiq
 import dramatiq.broker
+import psycopg
 import pytest
+from pgbouncer import PgBouncer
+from pgbouncer import binary as pgbouncer_binary
+from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
 
@@ -60,3 +67,76 @@ def dramatiq_cli(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[...,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(dramatiq_pg_url: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer (system package) in transaction pooling in front of the test database."""
+    if pgbouncer_binary() is None:
+        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer; .ci/run installs it)")
+    bouncer = PgBouncer(dramatiq_pg_url).start()
+    yield bouncer
+    bouncer.stop()
+
+
+def readme_permissions() -> list[str]:
+    """The SQL blocks of the README's "Permissions" section, in order."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Permissions\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
+
+
+class LeastPrivilege(NamedTuple):
+    """Roles set up exactly as the README's "Permissions" section says."""
+
+    schema: str
+    owner: str  #: owns the schema (and, once migrated, its tables); no CREATE on the database
+    app: str  #: owns nothing; only the README's grants
+    password: str
+    grant: Callable[[], None]  #: the README's second block, run as the owner
+
+
+@pytest.fixture
+def least_privilege(dramatiq_pg_url: str, pgbouncer: PgBouncer) -> Iterator[LeastPrivilege]:
+    """A schema owned by a migrating role, an application role, both let through PgBouncer.
+
+    The README's first block runs here (as the superuser); the test runs
+    ``migrate`` and ``grant()`` (the second block, as the owner) when it wants.
+    """
+    suffix = uuid.uuid4().hex[:8]
+    schema, owner, app = f"lp_{suffix}", f"lp_owner_{suffix}", f"lp_app_{suffix}"
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        dbname = conn.info.dbname
+    names = {"jobs_owner": owner, "jobs_app": app, "dramatiq": schema, "mydb": dbname}
+
+    def bind(block: str) -> list[str]:
+        for word, name in names.items():
+            block = re.sub(rf"\b{word}\b", sql.Identifier(name).as_string(None), block)
+        return [s.strip() for s in block.split(";") if s.strip() and not s.strip().startswith("--")]
+
+    blocks = readme_permissions()
+    assert len(blocks) == 2, "the README's Permissions section has two SQL blocks: the superuser's, the owner's"
+    password = re.search(r"PASSWORD '([^']*)'", blocks[0])
+    assert password is not None
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        for statement in bind(blocks[0]):
+            conn.execute(statement.encode())
+    for role in (owner, app):
+        pgbouncer.add_user(role, password.group(1))
+
+    def grant() -> None:
+        with psycopg.connect(pgbouncer.url(owner), autocommit=True, prepare_threshold=None) as conn:
+            for statement in bind(blocks[1]):
+                conn.execute(statement.encode())
+
+    try:
+        yield LeastPrivilege(schema, owner, app, password.group(1), grant)
+    finally:
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = ANY(%s)", [[owner, app]]
+            )
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+            for role in (app, owner):
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
