@@ -30,9 +30,14 @@ class CancelOutcome(str, Enum):
     NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
 
 
-def cancel(database: Database, statements: Statements, message_id: str) -> CancelOutcome:
-    """Cancel a message whatever its attempt (administrative: not fenced)."""
-    row = database.run(lambda conn: conn.execute(statements.cancel, [message_id]).fetchone())
+def cancel(database: Database, statements: Statements, message_id: str, *, channel: str, listen: bool) -> CancelOutcome:
+    """Cancel a message whatever its attempt (administrative: not fenced).
+
+    A running one is announced on *channel* (``!cancel <id>``), so a worker
+    that holds it in its prefetch never starts it.
+    """
+    params = [message_id, listen, channel]
+    row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
     if row is not None:
         return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING
     now = state_of(database, statements, message_id)

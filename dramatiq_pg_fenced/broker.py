@@ -8,6 +8,7 @@ statements, the settings), and gives every consumer the same.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -19,12 +20,13 @@ from typing import Any, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+from dramatiq.common import current_millis
+from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
-from . import admin
+from . import admin, delivery
 from .admin import CancelOutcome
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -39,14 +41,23 @@ from .config import (
 )
 from .consumer import LostClaims, PostgresConsumer
 from .database import Database, this_process
-from .delivery import PostgresMessageProxy, ResultWrite
+from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .errors import DeadLetterError, PayloadTooLarge
 from .fencing import StaleWrites, State, Write
 from .hooks import SkipNoopHooks
 from .leases import LeaseKeeper, Leases
 from .maintenance import Maintenance
-from .outcomes import Outcome, OutcomeWriter, retry_outcome
+from .middleware import FencedDelivery
+from .outcomes import OutcomeWriter, retry_outcome
 from .sql import check_queue, check_schema, statements
+
+#: A delivery that waited in the prefetch longer than this (seconds) reads its
+#: row before it starts: was it cancelled or redelivered meanwhile?  (A
+#: cancellation is also announced by NOTIFY, but that may arrive a moment
+#: after the delivery starts.)  Only one claimed and started within this
+#: time of each other skips the read: a cancel() cannot fall in between
+#: unless it races the claim itself.
+START_CHECK_AFTER = 0.005
 
 
 class ProcessParts:
@@ -135,7 +146,17 @@ class PostgresBroker(SkipNoopHooks, Broker):
         self._parts_lock = threading.Lock()
         self._parts: ProcessParts | None = None
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
+        self._duplicates = 0  # sends not inserted: their id exists (see enqueue)
         self._local = threading.local()  # per thread: an open batch() or transaction()
+        self.add_middleware(FencedDelivery())
+
+    def add_middleware(self, middleware: Any, **where: Any) -> None:
+        """Dramatiq's ``add_middleware``, keeping :class:`FencedDelivery` last (see its docstring)."""
+        super().add_middleware(middleware, **where)
+        fenced = [m for m in self.middleware if isinstance(m, FencedDelivery)]
+        if fenced and self.middleware[-1] is not fenced[-1]:
+            self.middleware.remove(fenced[-1])
+            self.middleware.append(fenced[-1])
 
     # Read-only views of the settings, as before.
     schema = property(lambda self: self.settings.schema)
@@ -232,9 +253,59 @@ class PostgresBroker(SkipNoopHooks, Broker):
             leases=parts.leases,
             lost_claims=parts.lost_claims,
             writer=parts.writer,
-            doorbell=self.database.doorbell(self.channel, timed=True) if self.listen else None,
+            doorbell=self._doorbell(parts),
             logger=self.logger,
         )
+
+    def _doorbell(self, parts: ProcessParts) -> Any:
+        """This process's wake-up channel; it also hears of cancelled messages that must not start."""
+        if not self.listen:
+            return None
+        doorbell = self.database.doorbell(self.channel, timed=True)
+        doorbell.on("cancel", parts.leases.mark_cancelled)
+        return doorbell
+
+    def why_not_start(self, message: PostgresMessageProxy) -> str | None:
+        """Why a delivery held in the prefetch must not start (``None``: it may).
+
+        Not if its lease was lost or its message cancelled (heard from the
+        lease keeper or a cancel notification), nor, for one that waited in
+        the prefetch, if its row is no longer running under its token (one
+        read).  A delivery that must not start is settled with nothing
+        written: the actor never runs, the row is someone else's.
+        """
+        parts = self.parts
+        held = parts.leases.held(message.message_id)
+        reason = None
+        if held is None or held.delivery != message.delivery:
+            reason = "this process no longer holds it"
+        elif parts.leases.is_lost(message.message_id):
+            reason = "it was cancelled, or its lease was lost"
+        elif time.monotonic() - message.claimed_at > START_CHECK_AFTER:
+            try:
+                row = self.database.run(
+                    lambda conn: conn.execute(
+                        self.statements.still_held, [message.message_id, message.delivery]
+                    ).fetchone()
+                )
+            except ConnectionClosed:
+                row = (1,)  # cannot tell: run it (at-least-once); its outcome is fenced either way
+            if row is None:
+                reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
+        if reason is not None:
+            message.settled = True
+            parts.leases.release(message.message_id, message.delivery)
+        return reason
+
+    @contextmanager
+    def with_ack(self) -> Iterator[None]:
+        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if it applies.
+
+        By default what an actor sends is enqueued at once (as with every
+        broker), so a delivery that is later fenced out has sent it anyway.
+        """
+        with delivery.deferred():
+            yield
 
     def declare_queue(self, queue_name: str) -> None:
         """Remember the queue; no I/O (called at import time by ``@actor``)."""
@@ -257,6 +328,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
         self.emit_before("enqueue", message, delay)
         if isinstance(message, PostgresMessageProxy):
             self._retry(message, delay)
+        elif (owner := delivery.deferring()) is not None:
+            owner.follow_ups.append(self.row(message, delay))  # written with its outcome, if that applies
         elif (batch := getattr(self._local, "batch", None)) is not None:
             batch.append((message, delay))  # written, and emit_after sent, when the block ends
             return message
@@ -266,13 +339,28 @@ class PostgresBroker(SkipNoopHooks, Broker):
         return cast(Message, message)
 
     def _retry(self, message: PostgresMessageProxy, delay: int | None) -> None:
-        if message.settled:
+        if message.settled or message.decided is not None:
             self.logger.warning(
                 "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
             )
             return
+        outcome = retry_outcome(message, delay, self._encode, self.logger)
+        if delivery.deferring() is message:
+            message.decided = outcome  # handed over by Dramatiq's ack, with the other effects
+            return
         message.settled = True
-        self.parts.writer.submit(retry_outcome(message, delay, self._encode, self.logger))
+        self.parts.writer.submit(outcome)
+
+    def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:
+        """Tie a group member's barrier countdown (and the completion messages) to its outcome.
+
+        Returns ``False`` when *message* is not a delivery whose effects wait
+        for its outcome (the caller then counts down at once).
+        """
+        if delivery.deferring() is not message:
+            return False
+        message.countdowns.append(Countdown(key, ttl, [self.row(m, None) for m in completions]))
+        return True
 
     def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
         """Store many messages in one round trip and one commit."""
@@ -332,18 +420,28 @@ class PostgresBroker(SkipNoopHooks, Broker):
             )
         return data
 
+    def row(self, message: Message, delay: int | None) -> Row:
+        """*message* as the enqueue statement takes it.
+
+        Dramatiq's ``eta`` option (an absolute time in ms) becomes a server-side
+        delay, and leaves the stored message: a worker would otherwise hold the
+        message in memory until then and re-enqueue it under the same id.
+        """
+        check_queue(message.queue_name)
+        delay_ms = max(int(delay or 0), 0)
+        eta = message.options.get("eta")
+        if "eta" in message.options:  # (Message.copy merges options: it cannot drop one)
+            message = dataclasses.replace(message, options={k: v for k, v in message.options.items() if k != "eta"})
+            if isinstance(eta, (int, float)):
+                delay_ms = max(delay_ms, int(eta) - current_millis())
+        actor = self.actors.get(message.actor_name)
+        priority = actor.priority if actor is not None else 0
+        return (message.message_id, message.queue_name, message.actor_name, priority, delay_ms, self._encode(message))
+
     def _insert(self, items: list[tuple[Message, int | None]]) -> None:
         if not items:
             return
-        rows = []
-        for message, delay in items:
-            check_queue(message.queue_name)
-            actor = self.actors.get(message.actor_name)
-            priority = actor.priority if actor is not None else 0
-            rows.append(
-                (message.message_id, message.queue_name, message.actor_name, priority, max(int(delay or 0), 0),
-                 self._encode(message))
-            )  # fmt: skip
+        rows = [self.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
             self._write_rows(caller_conn, rows)  # the caller's transaction decides
@@ -352,14 +450,28 @@ class PostgresBroker(SkipNoopHooks, Broker):
         # One statement, so autocommit makes it one round trip and one commit.
         self.database.run(lambda conn: self._write_rows(conn, rows))
 
-    def _write_rows(self, conn: psycopg.Connection, rows: list[tuple[Any, ...]]) -> None:
+    def _write_rows(self, conn: psycopg.Connection, rows: list[Row]) -> None:
         relaxed = not self.synchronous_commit
         if len(rows) == 1:  # a plain send(): one row of scalars is cheaper than unnest
             statement = self.statements.enqueue_one_relaxed if relaxed else self.statements.enqueue_one
-            conn.execute(statement, [*rows[0], self.channel, self.listen])
-            return
-        statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
-        conn.execute(statement, [*map(list, zip(*rows, strict=True)), self.channel, self.listen])
+            params: list[Any] = [*rows[0], self.channel, self.listen]
+        else:
+            statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
+            params = [*map(list, zip(*rows, strict=True)), self.channel, self.listen]
+        inserted = conn.execute(statement, params).fetchone()
+        if inserted is not None and inserted[0] < len(rows):
+            self._not_inserted(rows, len(rows) - inserted[0])
+
+    def _not_inserted(self, rows: list[Row], count: int) -> None:
+        """Sends whose id exists already are not inserted again: say so, and count them."""
+        with self._parts_lock:
+            self._duplicates += count
+        which = f"message {rows[0][0]}" if len(rows) == 1 else f"{count} of {len(rows)} messages"
+        self.logger.warning(
+            "%s not enqueued: a message with the same id is still queued, running, dead or cancelled. "
+            "Re-drive a dead or cancelled message with broker.redrive(id); send anew with a new id.",
+            which[0].upper() + which[1:],
+        )
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of the queue, dead letters included."""
@@ -371,14 +483,15 @@ class PostgresBroker(SkipNoopHooks, Broker):
     def flush_queues(self, queue_names: list[str]) -> None:
         self.database.run(lambda conn: conn.execute(self.statements.flush, [queue_names]))
 
-    def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool = False, interval: int = 20) -> None:
+    def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool = True, interval: int = 20) -> None:
         """Wait until the queue has nothing queued, delayed or running.
 
         Raises:
           QueueJoinTimeout: after ``timeout`` milliseconds.
           The actor's exception (or :class:`DeadLetterError` when it failed in
-          another process) with ``fail_fast=True`` once a message of the queue
-          was dead-lettered since the last flush.
+          another process) once a message of the queue was dead-lettered since
+          the last flush; ``fail_fast=False`` waits regardless.  True by
+          default, as Dramatiq 2's ``StubBroker.join``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         stmts = self.statements
@@ -407,7 +520,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
         attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
         an attempt: cancellation is an administrative action on the message.
         """
-        return admin.cancel(self.database, self.statements, message_id)
+        return admin.cancel(self.database, self.statements, message_id, channel=self.channel, listen=self.listen)
 
     def is_cancelled(self, message_id: str) -> bool:
         """For actors: was my message cancelled while I run?"""
@@ -437,7 +550,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
     def stats(self) -> dict[str, Any]:
         """Counters of this process, totals from the database, and queue sizes."""
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
-        local = parts.stale.counts() if parts is not None else {"stale_writes": 0, "cancelled_writes": 0}
+        local = parts.stale.counts() if parts is not None else {}
+        local["duplicate_sends"] = self._duplicates
         held = len(parts.leases.snapshot()) if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)
         return {"process": {**local, "held": held}, "totals": totals, "queues": queues}

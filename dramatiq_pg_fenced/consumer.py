@@ -21,13 +21,14 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
 
+from . import delivery
 from .config import Settings
 from .database import Database
-from .delivery import PostgresMessageProxy
+from .delivery import Outcome, PostgresMessageProxy
 from .doorbell import Doorbell
 from .fencing import Write
 from .leases import Leases
-from .outcomes import Outcome, OutcomeWriter
+from .outcomes import OutcomeWriter
 from .sql import Statements
 
 
@@ -211,23 +212,25 @@ class PostgresConsumer(Consumer):
     def _settle(self, message: MessageProxy, kind: Write) -> None:
         if not isinstance(message, PostgresMessageProxy):
             raise TypeError(f"{message!r} was not delivered by a PostgresBroker")
+        if delivery.running() is message:
+            delivery.start(None)  # this thread's sends are its own again
         if message.settled:
-            return  # a retry already decided this attempt's outcome
+            return  # a retry already handed over this delivery's outcome, or it never started
         message.settled = True
         nack = kind is Write.NACK
-        self.writer.submit(
-            Outcome(
-                kind,
-                message.message_id,
-                message.attempt,
-                message.delivery,
-                error=message.error_text("rejected") if nack else None,
-                queue_name=self.queue_name,
-                exception=message.exception if nack else None,
-                result=None if nack else message.pending_result,
-            )
+        outcome = message.decided or Outcome(
+            kind,
+            message.message_id,
+            message.attempt,
+            message.delivery,
+            error=message.error_text("rejected") if nack else None,
+            queue_name=self.queue_name,
+            exception=message.exception if nack else None,
+            result=None if nack else message.pending_result,
         )
-        message.pending_result = None
+        outcome.follow_ups, outcome.countdowns = message.follow_ups, message.countdowns
+        message.pending_result = message.decided = None
+        self.writer.submit(outcome)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Release unstarted messages at once (fenced; the attempt stays)."""

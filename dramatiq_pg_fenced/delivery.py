@@ -11,12 +11,19 @@ inserted again after its row was acked starts at 1 again).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
+
+from .fencing import Write
+
+#: A message ready for the enqueue statement: (id, queue, actor, priority, delay ms, payload).
+Row = tuple[str, str, str, int, int, bytes]
 
 
 @dataclass
@@ -37,14 +44,56 @@ class ResultWrite:
     delivery: str | None = None  # the delivery's token, when the writer knows it
 
 
+@dataclass
+class Countdown:
+    """A group member counting down its group's barrier (``FencedGroupCallbacks``).
+
+    Written with the member's ack, only if the ack applies: the barrier at
+    *key* goes down by one, and the member that finds it at its last party
+    clears it, rings ``key@events`` and enqueues *completions*, all in that
+    transaction.  A redelivered member therefore counts once, and the
+    completion messages are sent once.
+    """
+
+    key: str
+    ttl_ms: int
+    completions: list[Row]
+
+
+@dataclass
+class Outcome:
+    """One delivery's outcome, on its way to the database, with what it causes."""
+
+    kind: Write  # ACK, NACK, RETRY or RESULT
+    message_id: str
+    attempt: int
+    delivery: str  # the fence token
+    error: str | None = None
+    payload: bytes | None = None  # RETRY: the message as it goes back to the queue
+    delay_ms: int = 0  # RETRY: its backoff
+    queue_name: str = ""
+    exception: BaseException | None = field(default=None, repr=False)  # NACK: for join(fail_fast=True)
+    result: ResultWrite | None = field(default=None, repr=False)
+    #: Messages this delivery's middleware sent (next pipeline step, callbacks): enqueued with the outcome.
+    follow_ups: list[Row] = field(default_factory=list, repr=False)
+    countdowns: list[Countdown] = field(default_factory=list, repr=False)
+
+    @property
+    def effects(self) -> int:
+        """How many things this outcome causes besides itself."""
+        return len(self.follow_ups) + len(self.countdowns) + (self.result is not None)
+
+
 class PostgresMessageProxy(MessageProxy):
     """A delivered message: knows its attempt and whether it was settled.
 
     ``settled`` is set once this delivery's outcome (ack, nack or retry) was
-    handed to the outcome writer, so the ack Dramatiq sends after a retry is
-    a quiet no-op.  ``pending_result`` is set by the results backend: the
-    result is written in the transaction of this attempt's ack, and only if
-    the ack applies.
+    handed to the outcome writer.  ``pending_result`` is set by the results
+    backend: the result is written in the transaction of this attempt's ack,
+    and only if the ack applies.  ``decided`` holds a retry (or the dead
+    letter that replaces an impossible one) decided by the Retries middleware
+    until Dramatiq's ack or nack hands it over, together with the follow-up
+    messages and group countdowns the other middleware added meanwhile.
     """
 
     def __init__(self, message: Message, attempt: int, delivery: str) -> None:
@@ -54,6 +103,10 @@ class PostgresMessageProxy(MessageProxy):
         self.delivery = delivery  #: the fence token of this delivery (unique, unlike the attempt)
         self.settled = False
         self.pending_result: ResultWrite | None = None
+        self.decided: Outcome | None = None
+        self.follow_ups: list[Row] = []
+        self.countdowns: list[Countdown] = []
+        self.claimed_at = time.monotonic()
 
     @property
     def message(self) -> Message:
@@ -98,3 +151,46 @@ def write_pending() -> None:
     if write is not None:
         _pending.write = None
         write()
+
+
+# -- the delivery running on this thread -----------------------------------------------
+_running = threading.local()
+
+
+def start(delivery: PostgresMessageProxy | None) -> None:
+    """Called as *delivery* starts on this worker thread (``None``: nothing runs here)."""
+    _running.delivery = delivery
+    _running.deferring = False
+
+
+def running() -> PostgresMessageProxy | None:
+    """The delivery this worker thread runs, if it is one of ours."""
+    return getattr(_running, "delivery", None)
+
+
+def defer_effects() -> None:
+    """From now until its outcome, messages this thread sends belong to its delivery (see :func:`deferring`)."""
+    _running.deferring = True
+
+
+def deferring() -> PostgresMessageProxy | None:
+    """The delivery whose outcome this thread's sends are tied to, if any.
+
+    Set for the middleware's ``after_process_message`` hooks (the next
+    pipeline step, callbacks, group completion) and inside
+    :meth:`PostgresBroker.with_ack`; the actor body's own sends are enqueued
+    at once.
+    """
+    delivery = getattr(_running, "delivery", None)
+    return delivery if delivery is not None and getattr(_running, "deferring", False) else None
+
+
+@contextmanager
+def deferred() -> Iterator[PostgresMessageProxy | None]:
+    """Tie this thread's sends to its running delivery's outcome inside the block."""
+    before = getattr(_running, "deferring", False)
+    _running.deferring = True
+    try:
+        yield running()
+    finally:
+        _running.deferring = before

@@ -8,8 +8,10 @@ time has passed, so delays do not wait for the next poll.  Waiters always
 re-check the database after a wake-up and at least every poll interval, and
 every waiter is woken when the connection is (re)established, so a
 notification lost while nobody listened costs one check, never a message or
-a result.  The broker's
-consumers, the results backend and the rate limiters all use this class.
+a result.  A payload that starts with ``!`` is a command, ``"!name arg"``,
+passed to the handler registered with :meth:`Doorbell.on` (the broker's
+``!cancel <message id>``).  The broker's consumers, the results backend and
+the rate limiters all use this class.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
@@ -39,9 +41,15 @@ class Doorbell:
         self._timers: list[tuple[float, str]] = []  # (monotonic due time, key), a heap; listener thread only
         self._timed: dict[str, int] = {}  # per key: how many "due later" notifications arrived
         self._waiters: dict[str, set[threading.Event]] = {}
+        self._handlers: dict[str, Callable[[str], None]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def on(self, command: str, handler: Callable[[str], None]) -> None:
+        """Call *handler* with the argument of every ``"!command arg"`` notification."""
+        with self._lock:
+            self._handlers[command] = handler
 
     def subscribe(self, key: str) -> threading.Event:
         """An event set whenever *key* rings (or may have rung); starts listening."""
@@ -116,6 +124,9 @@ class Doorbell:
         if self._timers:
             until = min(until, self._timers[0][0])
         for note in conn.notifies(timeout=max(until - time.monotonic(), 0.0), stop_after=1):
+            if note.payload.startswith("!"):
+                self._command(note.payload[1:])
+                continue
             key, tab, wait_ms = note.payload.partition("\t")
             if not (tab and self.timed):
                 self.ring(note.payload)
@@ -129,6 +140,15 @@ class Doorbell:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             self.ring(heapq.heappop(self._timers)[1])
+
+    def _command(self, text: str) -> None:
+        command, _, arg = text.partition(" ")
+        handler = self._handlers.get(command)
+        if handler is not None:
+            try:
+                handler(arg)
+            except Exception:
+                logger.exception("Handler of %r notifications failed.", command)
 
     def _add_timer(self, due: float, key: str) -> None:
         if len(self._timers) >= self.MAX_TIMERS:

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Collection, Sequence
 from enum import Enum
+from typing import Any
 
 import psycopg
 
@@ -76,10 +77,33 @@ class StaleWrites:
         self._lock = threading.Lock()
         self.stale = 0  #: stale writes seen by this process
         self.cancelled = 0  #: writes dropped because their message was cancelled
+        self.dropped_effects = 0  #: results, follow-ups and countdowns of outcomes that did not apply
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {"stale_writes": self.stale, "cancelled_writes": self.cancelled}
+            return {
+                "stale_writes": self.stale,
+                "cancelled_writes": self.cancelled,
+                "dropped_effects": self.dropped_effects,
+            }
+
+    def drop_effects(self, outcomes: Sequence[Any]) -> None:
+        """Count (and log) what fenced-out outcomes would have caused: it is not written."""
+        n = 0
+        for outcome in outcomes:
+            if outcome.effects:
+                n += outcome.effects
+                self.logger.info(
+                    "The %s of message %s by attempt %d did not apply: its result, follow-up messages and group "
+                    "countdown (%d in all) are dropped with it.",
+                    outcome.kind.value,
+                    outcome.message_id,
+                    outcome.attempt,
+                    outcome.effects,
+                )
+        if n:
+            with self._lock:
+                self.dropped_effects += n
 
     def report(
         self, conn: psycopg.Connection, misses: Sequence[Miss], retried: Collection[tuple[str, str]] = ()

@@ -113,6 +113,12 @@ class Leases:
         with self._lock:
             return dict(self._held)
 
+    def mark_cancelled(self, message_id: str) -> None:
+        """Its message was cancelled: if held and not started, it must not start (see FencedDelivery)."""
+        with self._lock:
+            if message_id in self._held:
+                self._lost.add(message_id)
+
     def mark_lost(self, deliveries: dict[str, str], kept: set[str]) -> set[str]:
         """After an extension of *deliveries* (message id -> token) that kept only *kept*: those now known lost."""
         with self._lock:

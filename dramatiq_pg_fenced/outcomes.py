@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -25,27 +24,11 @@ from dramatiq.message import Message
 
 from .config import Settings
 from .database import Database
-from .delivery import PostgresMessageProxy, ResultWrite
+from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .errors import PayloadTooLarge
 from .fencing import Miss, StaleWrites, Write
 from .leases import Leases
-from .sql import Statements, results_channel
-
-
-@dataclass
-class Outcome:
-    """One delivery's outcome, on its way to the database."""
-
-    kind: Write  # ACK, NACK, RETRY or RESULT
-    message_id: str
-    attempt: int
-    delivery: str  # the fence token
-    error: str | None = None
-    payload: bytes | None = None  # RETRY: the message as it goes back to the queue
-    delay_ms: int = 0  # RETRY: its backoff
-    queue_name: str = ""
-    exception: BaseException | None = field(default=None, repr=False)  # NACK: for join(fail_fast=True)
-    result: ResultWrite | None = field(default=None, repr=False)
+from .sql import BIGINT_MAX, Statements, rate_limits_channel, results_channel
 
 
 def retry_outcome(
@@ -217,10 +200,34 @@ class OutcomeWriter:
             ]
             if any(o.result is not None for o in batch):
                 misses += self._write_results(conn, by_kind, applied)
+            self._write_effects(conn, [o for o in batch if (o.message_id, o.delivery) in applied])
             self.stale.report(conn, misses, retried=self._retried)
+            dropped = [o for o in batch if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied]
+            self.stale.drop_effects(dropped)
         for outcome in batch:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
+
+    def _write_effects(self, conn: psycopg.Connection, applied: list[Outcome]) -> None:
+        """Follow-up messages and group countdowns of outcomes that applied, in their transaction."""
+        rows: list[Row] = [row for o in applied for row in o.follow_ups]
+        for countdown in (c for o in applied for c in o.countdowns):
+            if self._count_down(conn, countdown):
+                rows.extend(countdown.completions)
+        if rows:
+            columns = [list(column) for column in zip(*rows, strict=True)]
+            conn.execute(self.statements.enqueue, [*columns, self.settings.channel, self.settings.listen])
+
+    def _count_down(self, conn: psycopg.Connection, countdown: Countdown) -> bool:
+        """Dramatiq's ``Barrier.wait(block=False)``: down by one unless at the last party; ``True`` when cleared."""
+        params = {"key": countdown.key, "delta": -1, "low": 1, "high": BIGINT_MAX, "ttl": countdown.ttl_ms}
+        if conn.execute(self.statements.rate_limit_update, params).fetchone() is not None:
+            return False
+        events = {"key": countdown.key + "@events", "ttl": countdown.ttl_ms}
+        conn.execute(
+            self.statements.rate_limit_notify, {**events, "channel": rate_limits_channel(self.settings.schema)}
+        )
+        return True
 
     def _write_results(
         self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[tuple[str, str]]

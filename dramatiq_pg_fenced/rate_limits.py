@@ -30,6 +30,8 @@ from threading import Event
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from dramatiq.message import Message
+from dramatiq.middleware import GroupCallbacks
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
@@ -41,15 +43,13 @@ from .config import (
     DEFAULT_SCHEMA,
 )
 from .database import Database
-from .delivery import write_pending
+from .delivery import PostgresMessageProxy, write_pending
 from .doorbell import poll_pauses
 from .maintenance import PurgeSchedule
-from .sql import check_schema, rate_limits_channel, statements
+from .sql import BIGINT_MAX, BIGINT_MIN, check_schema, rate_limits_channel, statements
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
-
-_BIGINT_MIN, _BIGINT_MAX = -(2**63), 2**63 - 1
 
 
 class _Changed(Exception):
@@ -124,7 +124,7 @@ class PostgresBackend(RateLimiterBackend):
 
     def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
         """Add *amount* unless the value would exceed *maximum*; the key then lives *ttl* ms."""
-        return self._change(key, amount, _BIGINT_MIN, maximum, ttl)
+        return self._change(key, amount, BIGINT_MIN, maximum, ttl)
 
     def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
         """Subtract *amount* unless the value would fall below *minimum*; the key then lives *ttl* ms.
@@ -133,7 +133,7 @@ class PostgresBackend(RateLimiterBackend):
         counting itself done on a barrier must have its result visible.
         """
         write_pending()
-        return self._change(key, -amount, minimum, _BIGINT_MAX, ttl)
+        return self._change(key, -amount, minimum, BIGINT_MAX, ttl)
 
     def _change(self, key: str, delta: int, low: int, high: int, ttl: int) -> bool:
         # An absent key counts as 0: inserting *delta* is right only if delta
@@ -212,4 +212,37 @@ class PostgresBackend(RateLimiterBackend):
             self.database.close()
 
 
-__all__ = ["PostgresBackend"]
+class FencedGroupCallbacks(GroupCallbacks):
+    """Dramatiq's ``GroupCallbacks``, with each member's countdown tied to its ack.
+
+    With Dramatiq's own middleware a member counts its group's barrier down
+    as soon as its actor returns, before its ack: a member redelivered after
+    that (its worker paused past its lease, crashed before the ack) counts
+    down twice, and the completion callbacks run early, or twice.  Here, for
+    deliveries of a :class:`PostgresBroker` whose rate-limiter backend shares
+    its database and schema, the countdown and the completion messages are
+    written in the transaction of the member's ack, only if that ack applies:
+    each member counts once, the completion is sent once.  Anything else is
+    handled as Dramatiq does.
+    """
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None, exception: Any = None) -> None:
+        if exception is None and isinstance(message, PostgresMessageProxy) and self._shares(broker):
+            key = message.options.get("group_completion_uuid")
+            callbacks = message.options.get("group_completion_callbacks")
+            if key and callbacks:
+                completions: list[Message[Any]] = [Message(**callback) for callback in callbacks]
+                if broker.countdown(message, key, self.barrier_ttl, completions):
+                    return
+        super().after_process_message(broker, message, result=result, exception=exception)
+
+    def _shares(self, broker: Any) -> bool:
+        backend = self.rate_limiter_backend
+        return (
+            isinstance(backend, PostgresBackend)
+            and getattr(broker, "database", None) is backend.database
+            and getattr(broker, "schema", None) == backend.schema
+        )
+
+
+__all__ = ["FencedGroupCallbacks", "PostgresBackend"]

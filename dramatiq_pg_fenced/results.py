@@ -82,7 +82,7 @@ from .config import (
     DEFAULT_SCHEMA,
 )
 from .database import Database
-from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, write_pending
+from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, deferring, write_pending
 from .doorbell import poll_pauses
 from .fencing import StaleWrites, State, Write
 from .maintenance import PurgeSchedule
@@ -304,7 +304,8 @@ class WritePendingResults(Middleware):
             )
 
     def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
-        write_pending()
+        if deferring() is None:  # a follow-up tied to the ack is written with the result anyway
+            write_pending()
 
 
 def setup(
@@ -322,15 +323,15 @@ def setup(
     :class:`PostgresBroker`.  Nothing is set globally: call
     ``dramatiq.set_broker(broker)``.
     """
-    from dramatiq.middleware import GroupCallbacks
     from dramatiq.results import Results
 
+    from .rate_limits import FencedGroupCallbacks
     from .rate_limits import PostgresBackend as RateLimiterBackend
 
     broker = PostgresBroker(url, schema=schema, **broker_options)
     backend = PostgresBackend(broker=broker)
     if group_callbacks:
-        broker.add_middleware(GroupCallbacks(RateLimiterBackend(broker=broker)))
+        broker.add_middleware(FencedGroupCallbacks(RateLimiterBackend(broker=broker)))
     # Added last, so its after_process_message runs first (Dramatiq runs them
     # in reverse): a member's result is stored before it counts down its group.
     broker.add_middleware(Results(backend=backend, store_results=store_results, result_ttl=result_ttl))

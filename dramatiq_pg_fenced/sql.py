@@ -44,6 +44,10 @@ SCHEMA_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
 QUEUE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,199}")
 
 
+#: PostgreSQL's bigint range (rate-limit values).
+BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
+
+
 def check_schema(name: str) -> str:
     if not isinstance(name, str) or not SCHEMA_RE.fullmatch(name):
         raise ValueError(
@@ -175,6 +179,9 @@ _TEMPLATES = {
          WHERE state IN ('dead', 'cancelled') AND finished_at < now() - %s * interval '1 second'
     """,
     # -- administration ----------------------------------------------------
+    # Cancelling a running (maybe prefetched) message also announces it
+    # ("!cancel <id>" on the wake channel), so a worker holding it unstarted
+    # hears of it at once and never starts it.
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
@@ -184,7 +191,8 @@ _TEMPLATES = {
            SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
-        RETURNING old.state, old.attempt
+        RETURNING old.state, old.attempt,
+                  CASE WHEN old.state = 'running' AND %s THEN pg_notify(%s, '!cancel ' || m.message_id::text) END
     """,
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
@@ -212,6 +220,10 @@ _TEMPLATES = {
          WHERE c.oid = to_regclass(%s)
     """,
     "state_of": "SELECT state, attempt FROM {schema}.message WHERE message_id = %s",
+    # May a delivery that waited in the prefetch still start?
+    "still_held": """
+        SELECT 1 FROM {schema}.message WHERE message_id = %s AND delivery = %s AND state = 'running'
+    """,
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
@@ -238,7 +250,9 @@ _TEMPLATES = {
 # One statement (one round trip, atomic even in autocommit): the rows and one
 # NOTIFY per queue that got a message due now, one more ("queue<TAB>ms") per
 # queue that got a delayed one, for the earliest (see doorbell.py); the last
-# parameter says whether to ring at all.  Values travel in binary (%b): no
+# parameter says whether to ring at all.  It returns how many rows it
+# inserted: an id that exists already is not inserted again (the sender is
+# told, see PostgresBroker.enqueue).  Values travel in binary (%b): no
 # escaping of payloads on either side, which bulk enqueue feels most.
 _ENQUEUE_ROWS = {
     # many messages: arrays, one element per message
@@ -263,12 +277,15 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
                    {_RELAXED if relaxed else ""}
             ON CONFLICT (message_id) DO NOTHING
             RETURNING queue_name, available_at
+        ), rung AS (
+            SELECT pg_notify(%s, CASE WHEN q.later
+                                      THEN q.queue_name || chr(9)
+                                           || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
+                                      ELSE q.queue_name END)
+              FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
+                      FROM ins WHERE %s GROUP BY 1, 2) AS q
         )
-        SELECT pg_notify(%s, CASE WHEN q.later
-                                  THEN q.queue_name || chr(9) || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
-                                  ELSE q.queue_name END)
-          FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
-                  FROM ins WHERE %s GROUP BY 1, 2) AS q
+        SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
     """
 
 
@@ -444,6 +461,7 @@ class Statements:
     file_node: bytes
     may_vacuum: bytes
     state_of: bytes
+    still_held: bytes
     inspect: bytes
     flush: bytes
     pending: bytes

@@ -45,7 +45,7 @@ def test_undecodable_payload_is_dead_lettered_and_the_worker_goes_on(
     )
     for n in range(5):
         fine.send(n)
-    broker.join("default", timeout=30_000)
+    broker.join("default", timeout=30_000, fail_fast=False)
 
     assert sorted(seen) == list(range(5))
     info = broker.inspect(garbage)
@@ -69,7 +69,7 @@ def test_unknown_actor_is_dead_lettered_and_the_worker_goes_on(
     ghost = broker.enqueue(message_for("no_such_actor"))
     for n in range(3):
         known.send(n)
-    broker.join("default", timeout=30_000)
+    broker.join("default", timeout=30_000, fail_fast=False)
 
     assert sorted(seen) == [0, 1, 2]
     info = broker.inspect(ghost.message_id)
@@ -132,7 +132,7 @@ def test_retry_that_outgrows_the_payload_limit_is_not_stuck(
     worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
     worker.start()
     try:
-        broker.join(flaky.queue_name, timeout=30_000)
+        broker.join(flaky.queue_name, timeout=30_000, fail_fast=False)
     finally:
         worker.stop()
     assert broker.flush_outcomes(10)

@@ -132,7 +132,7 @@ def test_dead_letter_after_retries_are_exhausted(broker: PostgresBroker) -> None
 
     with running_worker(broker):
         message = doomed.send()
-        broker.join(doomed.queue_name, timeout=30_000)
+        broker.join(doomed.queue_name, timeout=30_000, fail_fast=False)
 
     assert len(calls) == 3
     info = broker.inspect(message.message_id)
@@ -154,7 +154,7 @@ def test_throws_dead_letters_without_retrying(broker: PostgresBroker) -> None:
 
     with running_worker(broker):
         message = picky.send()
-        broker.join(picky.queue_name, timeout=30_000)
+        broker.join(picky.queue_name, timeout=30_000, fail_fast=False)
     assert len(calls) == 1
     info = broker.inspect(message.message_id)
     assert info is not None and info["state"] == "dead" and info["attempt"] == 1
@@ -374,7 +374,7 @@ def test_join_fail_fast_raises_the_actors_exception(broker: PostgresBroker, dram
         with pytest.raises(DeadLetterError, match="kaboom") as info:
             other.join(explode.queue_name, fail_fast=True, timeout=5_000)
         assert info.value.message_id == message.message_id
-        other.join(explode.queue_name, timeout=5_000)  # without fail_fast a dead letter is not pending
+        other.join(explode.queue_name, timeout=5_000, fail_fast=False)  # then a dead letter is not pending
     finally:
         other.close()
 

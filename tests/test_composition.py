@@ -148,7 +148,7 @@ def test_pipeline_stops_at_a_failure(app: tuple[PostgresBroker, PostgresBackend]
         pipe = dramatiq.pipeline([explode.message(1), after.message()]).run()
         with pytest.raises(ResultFailure, match="no 1"):
             pipe.messages[0].get_result(block=True, timeout=TIMEOUT)
-        broker.join("default", timeout=TIMEOUT)
+        broker.join("default", timeout=TIMEOUT, fail_fast=False)
     with pytest.raises(ResultMissing):
         pipe.get_result()
     assert ran == []
@@ -276,7 +276,7 @@ def test_on_success_and_on_failure_callbacks(app: tuple[PostgresBroker, Postgres
         wait_for(lambda: len(successes) == 3 and len(failures) == 1, what="the callbacks")
         with pytest.raises(ResultFailure, match="KeyError"):
             bad.get_result(block=True, timeout=TIMEOUT)
-        broker.join("default", timeout=TIMEOUT)
+        broker.join("default", timeout=TIMEOUT, fail_fast=False)
     assert sorted(successes) == [(i, 2 * i, 2 * i) for i in range(3)]
     assert failures == [(7, "KeyError", "7")]
 

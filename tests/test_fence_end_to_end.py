@@ -64,3 +64,277 @@ def test_a_stale_delivery_cannot_settle_a_message_sent_again_under_the_same_id(
     assert stale_writes(a) == before + 1
     again.consumer.ack(again)  # type: ignore[attr-defined]
     assert b.flush_outcomes(10) and b.inspect(first.message_id) is None
+
+
+# -- a delivery's effects share its fence ------------------------------------------------
+def test_a_stale_deliverys_result_is_not_written_beside_the_current_ones_ack(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Two deliveries of one message settle in one batch: only the current one's result lands,
+    whatever the order (the writer once decided by message id which acks applied)."""
+    from dramatiq.results import Results
+    from dramatiq.results.result import wrap_result
+
+    from dramatiq_pg_fenced.delivery import Outcome, ResultWrite
+    from dramatiq_pg_fenced.fencing import Write
+    from dramatiq_pg_fenced.results import PostgresBackend
+
+    broker = dramatiq_pg_broker_factory()
+    other = dramatiq_pg_broker_factory(schema=broker.schema)
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend))
+    broker.declare_queue("default")
+    other.declare_queue("default")
+    sent = message()
+    broker.enqueue(sent)
+    stale = deliver(broker)
+    expire_and_rescue(broker)
+    current = deliver(other)
+    assert (stale.attempt, current.attempt) == (1, 2)
+    key = backend.build_message_key(sent)
+
+    def ack(d: PostgresMessageProxy, value: str) -> Outcome:
+        data = backend.encoder.encode(wrap_result(value))
+        write = ResultWrite(key, d.message_id, d.attempt, data, 60_000, d.delivery)
+        return Outcome(Write.ACK, d.message_id, d.attempt, d.delivery, queue_name="default", result=write)
+
+    broker.parts.writer.write([ack(current, "current"), ack(stale, "stale")])  # the stale one last
+    assert backend.get_result(sent) == "current"
+    assert broker.inspect(sent.message_id) is None
+
+
+def _group_members(broker: PostgresBroker, runs: list[str], events: dict[str, Any]) -> tuple[Any, ...]:
+    def slow(n: int) -> None:
+        first = "slow" not in runs
+        runs.append("slow")
+        if first:  # paused past its lease: redelivered meanwhile, and finishes first
+            events["started"].set()
+            events["lease_lost"].wait(10)
+            events["stale_done"].set()
+        else:
+            events["stale_done"].wait(10)
+
+    def fast(n: int) -> None:
+        runs.append("fast")
+
+    def last(n: int) -> None:
+        events["release_last"].wait(10)
+        runs.append("last")
+
+    def done() -> None:
+        runs.append("done")
+
+    return (
+        dramatiq.actor(slow, broker=broker, queue_name="slow", max_retries=0),
+        dramatiq.actor(fast, broker=broker, queue_name="fast", max_retries=0),
+        dramatiq.actor(last, broker=broker, queue_name="fast", max_retries=0),
+        dramatiq.actor(done, broker=broker, queue_name="fast", max_retries=0),
+    )
+
+
+@pytest.mark.parametrize("fenced", [True])
+def test_a_redelivered_group_member_counts_down_once_and_completion_runs_once(
+    dramatiq_pg_broker_factory: Factory, fenced: bool
+) -> None:
+    """Member `slow` pauses past its lease and is redelivered; its stale delivery finishes first,
+    then the redelivery, then `fast`.  The group must not count `slow` twice: the completion waits
+    for `last`, and runs once.  (With Dramatiq's own GroupCallbacks, fenced=False, it runs early.)"""
+    import threading
+
+    from dramatiq.middleware import GroupCallbacks
+
+    from dramatiq_pg_fenced.rate_limits import FencedGroupCallbacks
+    from dramatiq_pg_fenced.rate_limits import PostgresBackend as RateLimits
+
+    callbacks = FencedGroupCallbacks if fenced else GroupCallbacks
+    a = dramatiq_pg_broker_factory(lease_seconds=1, rescue_interval=0.2, poll_interval=0.1)
+    b = dramatiq_pg_broker_factory(schema=a.schema, lease_seconds=1, rescue_interval=0.2, poll_interval=0.1)
+    for broker in (a, b):
+        broker.add_middleware(callbacks(RateLimits(broker=broker)))
+    runs: list[str] = []
+    events = {name: threading.Event() for name in ("started", "lease_lost", "stale_done", "release_last")}
+    slow_a, fast_a, last_a, done_a = _group_members(a, runs, events)
+    _group_members(b, runs, events)
+
+    worker_a = dramatiq.Worker(a, queues={"slow"}, worker_threads=1, worker_timeout=100)
+    worker_a.queue_prefetch = 1  # holding the stale delivery, A claims nothing more
+    worker_a.start()
+    worker_b = dramatiq.Worker(b, worker_threads=3, worker_timeout=100)
+    try:
+        g = dramatiq.group([slow_a.message(1), fast_a.message(2), last_a.message(3)], broker=a)
+        g.add_completion_callback(done_a.message())
+        g.run()
+        assert events["started"].wait(10)
+        a.parts.keeper.stop()  # A is "paused": its lease is no longer extended
+        worker_b.start()
+        wait_for(lambda: runs.count("slow") == 2, 30, "the redelivery")
+        events["lease_lost"].set()
+        wait_for(lambda: runs.count("fast") == 1, 30, "the other member")
+        wait_for(lambda: a.stats()["process"]["held"] == 0, 30, "the stale delivery's outcome")
+        wait_for(lambda: b.stats()["process"]["held"] <= 1, 30, "the redelivery's outcome")  # `last` still runs
+        assert "done" not in runs, runs  # two of three members are done: no completion yet
+        events["release_last"].set()
+        wait_for(lambda: runs.count("done") == 1, 30, "the completion")
+        b.join("fast", timeout=10_000)
+    finally:
+        events["release_last"].set()
+        worker_b.stop()
+        worker_a.stop()
+    assert runs.count("done") == 1, runs
+    assert runs.index("done") > runs.index("last"), runs
+    assert a.stats()["process"]["dropped_effects"] >= 1  # the stale countdown, counted
+
+
+def test_a_pipeline_step_of_a_stale_delivery_is_not_sent(dramatiq_pg_broker_factory: Factory) -> None:
+    """The next pipeline step (and on_success callbacks) ride with the ack: a fenced-out ack sends nothing."""
+    broker = dramatiq_pg_broker_factory()
+    other = dramatiq_pg_broker_factory(schema=broker.schema)
+    broker.declare_queue("default")
+    other.declare_queue("default")
+    sent = message()
+    broker.enqueue(sent)
+    stale = deliver(broker)
+    expire_and_rescue(broker)
+    current = deliver(other)
+    follow_up = message()
+
+    from dramatiq_pg_fenced import delivery
+
+    for b, d in ((broker, stale), (other, current)):  # what the middleware do after the actor, on its thread
+        delivery.start(d)
+        delivery.defer_effects()
+        b.enqueue(follow_up.copy(message_id=f"{follow_up.message_id[:-1]}{d.attempt}"))
+        assert b.inspect(f"{follow_up.message_id[:-1]}{d.attempt}") is None  # not sent yet
+        d.consumer.ack(d)  # type: ignore[attr-defined]
+        assert b.flush_outcomes(10)
+    assert broker.inspect(f"{follow_up.message_id[:-1]}1") is None  # the stale delivery's: dropped
+    assert broker.inspect(f"{follow_up.message_id[:-1]}2") is not None  # the current one's: sent with its ack
+    assert broker.stats()["process"]["dropped_effects"] == 1
+    assert other.stats()["process"]["dropped_effects"] == 0
+
+
+def test_the_actor_body_sends_at_once_or_with_the_ack_when_asked(dramatiq_pg_broker_factory: Factory) -> None:
+    from helpers import running_worker
+
+    broker = dramatiq_pg_broker_factory()
+    seen: dict[str, Any] = {}
+
+    @dramatiq.actor(broker=broker)
+    def child(tag: str) -> None:
+        pass
+
+    @dramatiq.actor(broker=broker)
+    def parent() -> None:
+        plain = child.send("plain")
+        seen["plain"] = broker.inspect(plain.message_id)
+        with broker.with_ack():
+            tied = child.send("tied")
+        seen["tied"] = broker.inspect(tied.message_id)
+        seen["tied_id"] = tied.message_id
+
+    with running_worker(broker):
+        parent.send()
+        broker.join("default", timeout=10_000)
+    assert seen["plain"] is not None  # the actor body's sends are enqueued at once
+    assert seen["tied"] is None  # ... unless tied to the ack
+    assert broker.stats()["queues"] == {}  # and the tied one was sent with the ack, and ran
+
+
+# -- cancel means never starts -------------------------------------------------------------
+@pytest.mark.parametrize("listen", [True, False])
+def test_a_message_cancelled_while_prefetched_never_starts(dramatiq_pg_broker_factory: Factory, listen: bool) -> None:
+    import threading
+
+    from helpers import running_worker
+
+    broker = dramatiq_pg_broker_factory(listen=listen, poll_interval=0.1)
+    release = threading.Event()
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def work(n: int) -> None:
+        ran.append(n)
+        if n == 0:
+            release.wait(10)
+
+    with running_worker(broker, threads=1, prefetch=2):
+        work.send(0)
+        wait_for(lambda: ran == [0], 10, "the first message")
+        second = work.send(1)
+        wait_for(lambda: (broker.inspect(second.message_id) or {}).get("state") == "running", 10, "the prefetch")
+        assert broker.cancel(second.message_id).value == "cancelled_running"
+        release.set()
+        broker.join("default", timeout=10_000)
+    assert ran == [0]
+    assert broker.stats()["process"]["stale_writes"] == 0
+
+
+# -- no silent loss through options ----------------------------------------------------------
+def test_a_message_with_dramatiqs_eta_option_runs_when_due(dramatiq_pg_broker_factory: Factory) -> None:
+    from dramatiq.common import current_millis
+    from helpers import running_worker
+
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1)
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker)
+    def work(n: int) -> None:
+        ran.append(n)
+
+    later = work.message(1).copy(options={"eta": current_millis() + 400})
+    broker.enqueue(later)
+    info = broker.inspect(later.message_id)
+    assert info is not None and info["available_at"] > info["enqueued_at"]  # a server-side delay
+    with running_worker(broker):
+        wait_for(lambda: ran == [1], 10, "the message with an eta")
+        broker.join("default", timeout=10_000)
+
+
+# -- re-sending an existing id -----------------------------------------------------------------
+def test_a_send_under_an_existing_id_is_reported_and_counted(
+    dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = dramatiq_pg_broker_factory()
+    broker.declare_queue("default")
+    sent = message()
+    broker.enqueue(sent)
+    with caplog.at_level("WARNING"):
+        broker.enqueue(sent.copy())
+        broker.enqueue_many([sent.copy(), message()])
+    assert f"Message {sent.message_id} not enqueued" in caplog.text
+    assert "1 of 2 messages not enqueued" in caplog.text
+    assert broker.stats()["process"]["duplicate_sends"] == 2
+    assert broker.stats()["queues"]["default"]["queued"] == 2
+
+
+# -- close ---------------------------------------------------------------------------------------
+def test_close_writes_pending_outcomes_builds_nothing_new_and_may_be_called_twice(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    broker = dramatiq_pg_broker_factory()
+    other = dramatiq_pg_broker_factory(schema=broker.schema)
+    broker.declare_queue("default")
+    sent = message()
+    broker.enqueue(sent)
+    d = deliver(broker)
+    d.consumer.ack(d)  # type: ignore[attr-defined]
+    broker.close()
+    assert not broker.started  # no new pool, no new writer thread
+    broker.close()
+    assert other.inspect(sent.message_id) is None  # the pending ack was written
+
+
+# -- join as Dramatiq's StubBroker ------------------------------------------------------------------
+def test_join_raises_the_actors_exception_by_default(dramatiq_pg_broker_factory: Factory) -> None:
+    from helpers import running_worker
+
+    broker = dramatiq_pg_broker_factory()
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def fail() -> None:
+        raise LookupError("as with the StubBroker")
+
+    with running_worker(broker):
+        fail.send()
+        with pytest.raises(LookupError, match="StubBroker"):
+            broker.join("default", timeout=10_000)

@@ -1,0 +1,64 @@
+"""FencedDelivery: what fencing needs on the worker's side.
+
+The broker installs it (``PostgresBroker(...).middleware`` shows it) and keeps
+it last in the list, so its ``before_process_message`` runs after every other
+middleware's and its ``after_process_message`` before every other's.
+
+- **Before a delivery starts**, it asks the broker whether the delivery may
+  start: not if its lease was lost (redelivered elsewhere) or its message
+  was cancelled while it waited in the prefetch.  Such a delivery is
+  skipped (Dramatiq's ``SkipMessage``): the actor never runs, nothing is
+  written for it.
+- **After the actor**, the messages the other middleware send for this
+  delivery (the next pipeline step, ``on_success`` / ``on_failure``
+  callbacks, a group's completion) and its group countdown are tied to its
+  outcome: written in the transaction of its ack (or nack, or retry), and
+  only if that applies.  A delivery that was fenced out causes nothing; what
+  it would have caused is counted as ``dropped_effects``.
+
+Messages the actor body itself sends are enqueued at once, as with any
+broker; inside ``with broker.with_ack():`` they wait for the ack too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dramatiq.middleware import GroupCallbacks, Middleware, SkipMessage
+
+from . import delivery
+from .delivery import PostgresMessageProxy
+
+
+class FencedDelivery(Middleware):
+    """Skips deliveries that were cancelled or lost before they started; ties
+    a delivery's effects to its outcome.  Installed by :class:`PostgresBroker`."""
+
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        from .rate_limits import FencedGroupCallbacks
+
+        for m in broker.middleware:
+            if isinstance(m, GroupCallbacks) and not isinstance(m, FencedGroupCallbacks):
+                broker.logger.warning(
+                    "%s counts group members down before their ack: a redelivered member counts twice. "
+                    "Use dramatiq_pg_fenced.rate_limits.FencedGroupCallbacks (results.setup() does).",
+                    type(m).__name__,
+                )
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        if not isinstance(message, PostgresMessageProxy):
+            delivery.start(None)
+            return
+        delivery.start(message)
+        reason = broker.why_not_start(message)
+        if reason is not None:
+            delivery.start(None)
+            raise SkipMessage(f"message {message.message_id} (attempt {message.attempt}) does not start: {reason}")
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None, exception: Any = None) -> None:
+        if isinstance(message, PostgresMessageProxy) and delivery.running() is message:
+            delivery.defer_effects()
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        if isinstance(message, PostgresMessageProxy) and delivery.running() is message:
+            delivery.defer_effects()
