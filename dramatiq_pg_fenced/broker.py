@@ -29,6 +29,7 @@ from .doorbell import Doorbell
 from .errors import DeadLetterError, PayloadTooLarge, describe_failure, lost_connection
 from .leases import Leases
 from .outcomes import Outcome, OutcomeWriter, describe
+from .reconnect import PacedPool
 from .sql import check_queue, check_schema, statements
 
 T = TypeVar("T")
@@ -64,8 +65,11 @@ class CancelOutcome(str, Enum):
 
 
 def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str) -> ConnectionPool:
-    """An opened pool of autocommit connections, for this process only (not fork-safe)."""
-    pool = ConnectionPool(
+    """An opened pool of autocommit connections, for this process only (not fork-safe).
+
+    It reconnects at a steady pace after an outage (see reconnect.py), not after psycopg_pool's doubling backoff.
+    """
+    pool = PacedPool(
         url,
         min_size=1,
         max_size=max_size,
@@ -220,8 +224,8 @@ class PostgresBroker(Broker):
         return text
 
     @contextmanager
-    def _pool_connection(self, *, raw: bool = False) -> Iterator[psycopg.Connection]:
-        """A pooled autocommit connection.
+    def _pool_connection(self, *, raw: bool = False, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """A pooled autocommit connection, waited for at most *timeout* seconds (the pool's by default).
 
         With ``raw=True`` psycopg's errors pass through (the background threads
         handle them); otherwise connection failures become Dramatiq's
@@ -229,7 +233,7 @@ class PostgresBroker(Broker):
         """
         proc = self._state()
         try:
-            with proc.pool.connection() as conn:
+            with proc.pool.connection(timeout=timeout) as conn:
                 if not proc.schema_checked:
                     migrations.check(conn, self.schema, url_hint=self._safe_url())
                     proc.schema_checked = True

@@ -18,7 +18,9 @@ import psycopg
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
+from psycopg_pool import PoolTimeout
 
+from .errors import lost_connection
 from .outcomes import Outcome, ResultWrite
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ class PostgresConsumer(Consumer):
                 self.doorbell.clear()
             full = self.broker._leases.capacity(self.queue_name, self.prefetch) <= 0
             if not full:
-                self._claim()
+                self._claim(deadline - time.monotonic())
                 if self.buffer:
                     continue
             remaining = deadline - time.monotonic()
@@ -87,25 +89,37 @@ class PostgresConsumer(Consumer):
             else:
                 time.sleep(wait)
 
-    def _claim(self) -> None:
+    def _claim(self, timeout: float) -> None:
+        """Claim what there is room for.  When the connection is lost, try once more on a fresh one;
+        when the database is away, return without rows after waiting at most *timeout* seconds for
+        a connection (the pool reconnects at a steady pace and hands one over as soon as it has it).
+        Dramatiq restarts a consumer that raises only after 3 s, and logs each time: that is for
+        other errors."""
         broker = self.broker
         limit = broker._leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
         unsure = broker._state().unsure_claims
-        try:
-            with broker._pool_connection(raw=True) as conn:
-                if self.queue_name in unsure:
-                    self._release_unseen(conn)
-                    unsure.discard(self.queue_name)
-                rows = self._claim_rows(conn, limit)
-                if len(rows) < limit and self._due_unknown():
-                    row = conn.execute(broker._sql.next_due, {"queue": self.queue_name}).fetchone()
-                    seconds = row[0] if row else None
-                    self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            unsure.add(self.queue_name)
-            raise ConnectionClosed(broker._describe(e)) from None
+        for tries in (1, 2):
+            try:
+                with broker._pool_connection(raw=True, timeout=max(timeout, 0.01)) as conn:
+                    if self.queue_name in unsure:
+                        self._release_unseen(conn)
+                        unsure.discard(self.queue_name)
+                    rows = self._claim_rows(conn, limit)
+                    if len(rows) < limit and self._due_unknown():
+                        row = conn.execute(broker._sql.next_due, {"queue": self.queue_name}).fetchone()
+                        seconds = row[0] if row else None
+                        self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
+                break
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if not isinstance(e, PoolTimeout):
+                    unsure.add(self.queue_name)  # it may have committed rows we never saw
+                if not lost_connection(e):
+                    raise ConnectionClosed(broker._describe(e)) from None
+                self.logger.debug("Claim of queue %r failed (try %d): %s", self.queue_name, tries, e)
+                if tries == 2 or isinstance(e, PoolTimeout):
+                    return
         rows.sort(key=lambda r: (r[3], r[4], r[5]))
         for message_id, attempt, payload, _, _, _ in rows:
             message_id = str(message_id)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from .errors import lost_connection
+
 if TYPE_CHECKING:
     from .broker import PostgresBroker
 
@@ -146,7 +148,10 @@ class Leases:
                     with broker._pool_connection(raw=True) as conn:
                         conn.execute(broker._sql.purge_finished, [broker.dead_message_ttl])
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                self.logger.warning("Lease keeper could not reach the database: %s", e)
+                if lost_connection(e):  # it waits in the pool next time; reconnect.py logs the outage
+                    self.logger.debug("Lease keeper lost its connection: %s", e)
+                else:
+                    self.logger.warning("Lease keeper could not reach the database: %s", e)
             except Exception:
                 self.logger.exception("Lease keeper failed; trying again.")
 
