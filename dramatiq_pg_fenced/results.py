@@ -65,7 +65,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -75,13 +75,13 @@ from dramatiq.middleware import Middleware
 from dramatiq.results import ResultBackend, ResultMissing, ResultTimeout
 from dramatiq.results.backend import DEFAULT_TIMEOUT, Missing
 from dramatiq.results.result import wrap_exception, wrap_result
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import migrations
 from .broker import new_pool
 from .consumer import PostgresMessageProxy
 from .doorbell import Doorbell
-from .errors import describe_failure
+from .errors import describe_failure, lost_connection
 from .outcomes import Outcome, ResultWrite, describe
 from .sql import check_schema, results_channel, statements
 
@@ -175,13 +175,19 @@ class Connections:
                 yield conn
             return
         self._this_process()
+        pool = self._own_pool()
         try:
-            with self._own_pool().connection() as conn:
+            with pool.connection() as conn:
                 if not self._checked:
                     migrations.check(conn, self.schema)
                     self._checked = True
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if lost_connection(e) and not isinstance(e, PoolTimeout) and self.given_pool is None:
+                # As the broker does: the idle connections are probably broken too (server restart,
+                # pg_terminate_backend); drop them now, not one failed call at a time after the return.
+                with suppress(Exception):
+                    pool.check()
             raise ConnectionClosed(describe_failure(e)) from None
 
     def listener(self) -> Doorbell | None:
