@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from .errors import lost_connection
+from .reconnect import RETRY_INTERVAL
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -133,11 +134,13 @@ class Leases:
         broker = self.broker
         extend_every = max(broker.lease_seconds / 3, 0.2)
         next_extend = time.monotonic() + extend_every
-        while not self._stopped.wait(min(broker.rescue_interval, extend_every)):
+        lost = False  # the last round lost its connection: the database may be back from an outage
+        while not self._stopped.wait(RETRY_INTERVAL if lost else min(broker.rescue_interval, extend_every)):
             try:
-                if time.monotonic() >= next_extend:
+                if lost or time.monotonic() >= next_extend:  # after an outage, leases first
                     self.extend()
                     next_extend = time.monotonic() + extend_every
+                lost = False
                 self.rescue()
                 if self._claims >= VACUUM_AFTER_CLAIMS and time.monotonic() - self._last_vacuum > VACUUM_MIN_INTERVAL:
                     self._claims = 0
@@ -148,7 +151,8 @@ class Leases:
                     with broker._pool_connection(raw=True) as conn:
                         conn.execute(broker._sql.purge_finished, [broker.dead_message_ttl])
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                if lost_connection(e):  # it waits in the pool next time; reconnect.py logs the outage
+                lost = lost_connection(e)
+                if lost:  # the next round waits in the pool; reconnect.py logs the outage
                     self.logger.debug("Lease keeper lost its connection: %s", e)
                 else:
                     self.logger.warning("Lease keeper could not reach the database: %s", e)
