@@ -175,15 +175,15 @@ class Connections:
                 yield conn
             return
         self._this_process()
-        pool = self._own_pool()
         try:
-            with pool.connection() as conn:
+            with self._own_pool().connection() as conn:
                 if not self._checked:
                     migrations.check(conn, self.schema)
                     self._checked = True
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            if lost_connection(e) and not isinstance(e, PoolTimeout) and self.given_pool is None:
+            pool = self._pool  # ours, not a given one
+            if pool is not None and lost_connection(e) and not isinstance(e, PoolTimeout):
                 # As the broker does: the idle connections are probably broken too (server restart,
                 # pg_terminate_backend); drop them now, not one failed call at a time after the return.
                 with suppress(Exception):
