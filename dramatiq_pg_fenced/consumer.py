@@ -20,12 +20,14 @@ import psycopg
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
+from psycopg_pool import PoolTimeout
 
 from . import delivery
 from .config import Settings
 from .database import Database
 from .delivery import Outcome, PostgresMessageProxy
 from .doorbell import Doorbell
+from .errors import lost_connection
 from .fencing import Write
 from .leases import Leases
 from .outcomes import OutcomeWriter
@@ -105,7 +107,7 @@ class PostgresConsumer(Consumer):
                 self.wake.clear()
             full = self.leases.capacity(self.queue_name, self.prefetch) <= 0
             if not full:
-                self._claim()
+                self._claim(deadline - time.monotonic())
                 if self.buffer:
                     continue
             remaining = deadline - time.monotonic()
@@ -123,24 +125,41 @@ class PostgresConsumer(Consumer):
             else:
                 time.sleep(wait)
 
-    def _claim(self) -> None:
+    def _claim(self, timeout: float) -> None:
+        """Claim what there is room for.
+
+        When the connection is lost, try once more on a fresh one; when the
+        database is away, return without rows after waiting at most *timeout*
+        seconds for a connection (the pool reconnects at a steady pace and
+        hands one over as soon as it has it).  Dramatiq restarts a consumer
+        that raises only after 3 s, and logs each time: that is for other errors.
+        """
         limit = self.leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
-        unsure = self.lost_claims.take(self.queue_name)
-        try:
-            with self.database.connection(raw=True) as conn:
-                if unsure:
-                    self._release_unseen(conn, unsure)
-                    unsure = []
-                rows = self._claim_rows(conn, limit)
-                if len(rows) < limit and self._due_unknown():
-                    row = conn.execute(self.statements.next_due, {"queue": self.queue_name}).fetchone()
-                    seconds = row[0] if row else None
-                    self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            self.lost_claims.put_back(self.queue_name, [*unsure, self.consumer_id])
-            raise ConnectionClosed(self.database.describe(e)) from None
+        for tries in (1, 2):
+            unsure = self.lost_claims.take(self.queue_name)
+            try:
+                with self.database.connection(raw=True, timeout=max(timeout, 0.01)) as conn:
+                    if unsure:
+                        self._release_unseen(conn, unsure)
+                        unsure = []
+                    rows = self._claim_rows(conn, limit)
+                    if len(rows) < limit and self._due_unknown():
+                        row = conn.execute(self.statements.next_due, {"queue": self.queue_name}).fetchone()
+                        seconds = row[0] if row else None
+                        self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
+                break
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                # A claim that failed in flight may have committed rows we never saw.
+                self.lost_claims.put_back(
+                    self.queue_name, unsure if isinstance(e, PoolTimeout) else [*unsure, self.consumer_id]
+                )
+                if not lost_connection(e):
+                    raise ConnectionClosed(self.database.describe(e)) from None
+                self.logger.debug("Claim of queue %r failed (try %d): %s", self.queue_name, tries, e)
+                if tries == 2 or isinstance(e, PoolTimeout):
+                    return
         rows.sort(key=lambda r: (r[4], r[5], r[6]))  # priority, due time, enqueue order
         for message_id, attempt, token, payload, _, _, _ in rows:
             message_id, delivery = str(message_id), str(token)

@@ -25,6 +25,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import migrations
 from .doorbell import Doorbell
 from .errors import describe_failure, lost_connection
+from .reconnect import PacedPool
 
 T = TypeVar("T")
 
@@ -64,8 +65,10 @@ def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str, prepar
     """An opened pool of autocommit connections, for this process only (not fork-safe).
 
     ``prepare=False``: never prepare statements (see :func:`connection_kwargs`).
+    It reconnects at a steady pace after an outage (see reconnect.py), not
+    after psycopg_pool's doubling backoff.
     """
-    pool = ConnectionPool(
+    pool = PacedPool(
         url,
         min_size=1,
         max_size=max_size,
@@ -189,8 +192,9 @@ class Database:
 
     # -- connections ----------------------------------------------------------
     @contextmanager
-    def connection(self, *, raw: bool = False) -> Iterator[psycopg.Connection]:
-        """A pooled autocommit connection to a migrated schema.
+    def connection(self, *, raw: bool = False, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """A pooled autocommit connection to a migrated schema, waited for at most *timeout* seconds
+        (the pool's by default).
 
         With ``raw=True`` psycopg's errors pass through (the background threads
         handle them); otherwise connection failures become Dramatiq's
@@ -199,7 +203,7 @@ class Database:
         """
         local = self._here()
         try:
-            with local.pool.connection() as conn:
+            with local.pool.connection(timeout=timeout) as conn:
                 if not local.schema_checked:
                     migrations.check(conn, self.schema, url_hint=self.safe_url())
                     local.schema_checked = True

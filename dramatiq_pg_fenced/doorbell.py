@@ -8,10 +8,11 @@ time has passed, so delays do not wait for the next poll.  Waiters always
 re-check the database after a wake-up and at least every poll interval, and
 every waiter is woken when the connection is (re)established, so a
 notification lost while nobody listened costs one check, never a message or
-a result.  A payload that starts with ``!`` is a command, ``"!name arg"``,
-passed to the handler registered with :meth:`Doorbell.on` (the broker's
-``!cancel <message id>``).  The broker's consumers, the results backend and
-the rate limiters all use this class.
+a result.  A lost connection is made again at once, then at the pace of
+reconnect.py while the server is away.  A payload that starts with ``!`` is
+a command, ``"!name arg"``, passed to the handler registered with
+:meth:`Doorbell.on` (the broker's ``!cancel <message id>``).  The broker's
+consumers, the results backend and the rate limiters all use this class.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 
 import psycopg
 from psycopg import sql
+
+from .reconnect import RETRY_INTERVAL, PacedConnection, server_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +103,31 @@ class Doorbell:
             event.set()
 
     def _run(self) -> None:
-        backoff = 0.1
+        server = server_for(self.conninfo)
+        lost = False  # since the last LISTEN that worked; said once, not per try
         while not self._stopped.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=self.connect_timeout) as conn:
+                with PacedConnection.connect(
+                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout
+                ) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-                    backoff = 0.1
+                    if lost:
+                        logger.info("LISTEN %s is back.", self.channel)
+                    lost = False
                     self.ring()  # whatever was sent while we were not listening is found by one check
                     while not self._stopped.is_set():
                         self._listen(conn)
             except psycopg.Error as e:
                 if self._stopped.is_set():
                     return  # closing: the server may go away first
-                logger.warning("LISTEN %s connection lost (%s); waiters poll until it is back.", self.channel, e)
-                self.ring()
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                if not lost:
+                    # A terminated connection is made again at once; a server that is away, every
+                    # RETRY_INTERVAL, or as soon as another part of the process connects.
+                    logger.info("LISTEN %s connection lost (%s); waiters poll until it is back.", self.channel, e)
+                    lost = True
+                    self.ring()
+                    continue
+                server.pause(RETRY_INTERVAL)
 
     def _listen(self, conn: psycopg.Connection) -> None:
         """Wait up to a second, or until the next timer is due, for one batch of notifications; ring them

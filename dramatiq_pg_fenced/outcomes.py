@@ -25,9 +25,10 @@ from dramatiq.message import Message
 from .config import Settings
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
-from .errors import PayloadTooLarge
+from .errors import PayloadTooLarge, lost_connection
 from .fencing import Miss, StaleWrites, Write
 from .leases import Leases
+from .reconnect import RETRY_INTERVAL
 from .sql import BIGINT_MAX, Statements, rate_limits_channel, results_channel
 
 
@@ -69,7 +70,7 @@ def retry_outcome(
 
 
 class OutcomeWriter:
-    #: Longest pause between two tries while the database is away.
+    #: Longest pause between two tries after a failed statement (a lost connection: RETRY_INTERVAL).
     MAX_BACKOFF = 5.0
 
     def __init__(
@@ -124,6 +125,7 @@ class OutcomeWriter:
 
     def _run(self) -> None:
         backoff = 0.05
+        away = False  # the last try lost its connection, or found none: said once, not per try
         batch: list[Outcome] = []
         while True:
             with self._cond:
@@ -137,13 +139,27 @@ class OutcomeWriter:
             try:
                 self.write(batch)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                self._retried.update((o.message_id, o.delivery) for o in batch)
+                if lost_connection(e):
+                    # The next try waits in the pool, which reconnects at a steady pace and hands
+                    # the connection over at once (reconnect.py logs the outage itself).
+                    if not away:
+                        self.logger.info(
+                            "Could not write %d outcome(s) (%s); they are written as soon as the database is back. "
+                            "The actors will not run again for them.",
+                            len(batch),
+                            e,
+                        )
+                    away = True
+                    time.sleep(min(backoff, RETRY_INTERVAL))
+                    backoff = min(backoff * 2, RETRY_INTERVAL)
+                    continue
                 self.logger.warning(
                     "Could not write %d outcome(s) (%s); trying again in %.2fs. The actors will not run again for them.",
                     len(batch),
                     e,
                     backoff,
                 )
-                self._retried.update((o.message_id, o.delivery) for o in batch)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
                 continue
@@ -152,6 +168,7 @@ class OutcomeWriter:
                     "Unexpected error writing %d outcome(s); they are dropped, leases will lapse.", len(batch)
                 )
             backoff = 0.05
+            away = False
             for outcome in batch:
                 self._retried.discard((outcome.message_id, outcome.delivery))
                 self.leases.release(outcome.message_id, outcome.delivery)

@@ -7,12 +7,18 @@ import threading
 
 import psycopg
 
+from .errors import lost_connection
+from .reconnect import RETRY_INTERVAL
+
 
 class Periodic:
     """Subclasses set :attr:`name` and :attr:`what` and implement :meth:`tick`.
 
-    A failed tick never ends the thread: the next one tries again.  Connection
-    failures are logged in one line, anything else with its traceback.
+    A failed tick never ends the thread: the next one tries again, after
+    :data:`~.reconnect.RETRY_INTERVAL` when the connection was lost (the
+    database may be back from an outage; reconnect.py logs the outage once,
+    so the lost connection is only a debug line here).  A statement the
+    server refused is a warning; anything else is logged with its traceback.
     """
 
     name = "dramatiq-pg-periodic"  #: the thread's name
@@ -38,10 +44,16 @@ class Periodic:
         raise NotImplementedError
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        lost = False
+        while not self._stopped.wait(min(RETRY_INTERVAL, self.interval) if lost else self.interval):
+            lost = False
             try:
                 self.tick()
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                self.logger.warning("%s could not reach the database: %s", self.what, e)
+                lost = lost_connection(e)
+                if lost:
+                    self.logger.debug("%s lost its connection: %s", self.what, e)
+                else:
+                    self.logger.warning("%s could not run a statement: %s", self.what, e)
             except Exception:
                 self.logger.exception("%s failed; trying again.", self.what)

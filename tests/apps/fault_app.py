@@ -2,7 +2,8 @@
 
 Configured from the environment: ``DRAMATIQ_PG_URL``, ``DRAMATIQ_PG_SCHEMA``,
 ``FAULT_LEASE_SECONDS`` and, optionally, ``FAULT_BROKER_URL`` (the broker's
-own connections only, e.g. through a proxy the test can cut).  The broker's
+own connections only, e.g. through a proxy the test can cut, or another server)
+and ``FAULT_POLL_INTERVAL`` / ``FAULT_RESCUE_INTERVAL`` (0.2 s unless set).  The broker's
 connections carry ``application_name = faulttest_<schema>`` so a test can
 terminate exactly them.
 
@@ -31,8 +32,8 @@ broker = PostgresBroker(
     make_conninfo(os.environ.get("FAULT_BROKER_URL") or URL, application_name=APP_NAME),
     schema=SCHEMA,
     lease_seconds=float(os.environ.get("FAULT_LEASE_SECONDS", "2")),
-    rescue_interval=0.2,
-    poll_interval=0.2,
+    rescue_interval=float(os.environ.get("FAULT_RESCUE_INTERVAL", "0.2")),
+    poll_interval=float(os.environ.get("FAULT_POLL_INTERVAL", "0.2")),
 )
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
