@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dramatiq.broker import MessageProxy
@@ -24,6 +24,9 @@ class ResultWrite:
     ack applies.  As a ``result`` outcome (a stored exception, submitted right
     after its nack) it is fenced on the row being at that attempt, running or
     dead, so it lands only if its attempt's nack did.
+
+    ``failure`` encodes, in the backend's format, what is stored in its place
+    if the database refuses ``data``: a failure that gives the reason.
     """
 
     key: str
@@ -31,6 +34,7 @@ class ResultWrite:
     attempt: int | None  # None: stored outside a delivery, not fenced
     data: bytes
     ttl_ms: int
+    failure: Callable[[str], bytes] | None = field(default=None, repr=False, compare=False)
 
 
 class PostgresMessageProxy(MessageProxy):

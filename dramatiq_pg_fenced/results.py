@@ -82,6 +82,7 @@ from .config import (
 )
 from .database import Database
 from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, write_pending
+from .errors import ResultNotStored
 from .fencing import StaleWrites, State, Write
 from .maintenance import PurgeSchedule
 from .sql import check_schema, results_channel, statements
@@ -231,7 +232,12 @@ class PostgresBackend(ResultBackend):
             attempt=attempt_of(message),
             data=self.encoder.encode(wrapped),
             ttl_ms=int(ttl),
+            failure=self._failure_data,
         )
+
+    def _failure_data(self, reason: str) -> bytes:
+        """What is stored when the database refuses a result: ``get_result`` raises ``ResultFailure`` with *reason*."""
+        return self.encoder.encode(wrap_exception(ResultNotStored(reason)))
 
     def _store_now(self, write: ResultWrite, states: list[State]) -> bool:
         """Write at once; fenced on the row being at the attempt in one of *states* when there is an attempt."""
