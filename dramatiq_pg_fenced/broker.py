@@ -247,7 +247,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
         """
         self.emit_before("enqueue", message, delay)
         if isinstance(message, PostgresMessageProxy):
-            self._retry(message, delay)
+            if not self._retry(message, delay):
+                return cast(Message, message)  # not re-queued: no after_enqueue
         elif (batch := getattr(self._local, "batch", None)) is not None:
             batch.append((message, delay))  # written, and emit_after sent, when the block ends
             return message
@@ -256,14 +257,39 @@ class PostgresBroker(SkipNoopHooks, Broker):
         self.emit_after("enqueue", message, delay)
         return cast(Message, message)
 
-    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> None:
+    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> bool:
+        """Hand this delivery's retry to the outcome writer; returns whether it goes back to the queue.
+
+        The delivery is settled only once its outcome is handed over: if the
+        retry cannot be built (the encoder raises), the message is
+        dead-lettered with the reason instead, never left held.
+        """
         if message.settled:
             self.logger.warning(
                 "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
             )
-            return
+            return False
+        try:
+            outcome = retry_outcome(message, delay, self._encode, self.logger)
+        except Exception as e:
+            self.logger.error(
+                "The retry of message %s (attempt %d) could not be built; dead-lettering it.",
+                message.message_id,
+                message.attempt,
+                exc_info=True,
+            )
+            outcome = Outcome(
+                Write.NACK,
+                message.message_id,
+                message.attempt,
+                error=f"the retry of attempt {message.attempt} could not be built: {type(e).__name__}: {e}\n"
+                f"{message.error_text('')}",
+                queue_name=message.queue_name,
+                exception=message.exception,
+            )
+        self.parts.writer.submit(outcome)
         message.settled = True
-        self.parts.writer.submit(retry_outcome(message, delay, self._encode, self.logger))
+        return outcome.kind is Write.RETRY
 
     def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
         """Store many messages in one round trip and one commit."""

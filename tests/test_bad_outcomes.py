@@ -216,6 +216,30 @@ def test_a_result_the_database_refuses_becomes_a_stored_failure(broker: Postgres
     assert state(broker, refused.message_id) == (None if outcome == "result" else "dead")
 
 
+# -- the retry path cannot strand a message (issue 9, point 7) --------------------------------------
+def test_a_retry_that_cannot_be_encoded_is_dead_lettered(broker: PostgresBroker) -> None:
+    """A middleware (here the actor) leaves something in the options the encoder cannot encode:
+    the retry cannot be built.  The message is dead-lettered with the reason at once; it is not
+    held (its lease extended) until the process exits, nor acked unrun."""
+
+    @dramatiq.actor(max_retries=3, min_backoff=10, max_backoff=20)
+    def unencodable() -> None:
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        message.options["handle"] = object()  # not JSON
+        raise RuntimeError("fails, to be retried")
+
+    sent = unencodable.send()
+    with running_worker(broker, threads=2):
+        wait_for(lambda: state(broker, sent.message_id) == "dead", 15, "the unencodable retry to be dead-lettered")
+        assert broker.flush_outcomes(10)
+        wait_for(lambda: broker.parts.leases.snapshot() == {}, 10, "the delivery to be released")
+    info = broker.inspect(sent.message_id)
+    assert info is not None and info["attempt"] == 1
+    assert info["last_error"].startswith("the retry of attempt 1 could not be built: TypeError")
+    assert "fails, to be retried" in info["last_error"]
+
+
 # -- making text storable -----------------------------------------------------------------------
 def test_storable_text_examples() -> None:
     from dramatiq_pg_fenced.outcomes import MAX_ERROR_BYTES, storable_text
