@@ -30,6 +30,7 @@ from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
     DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_POOL_MAX_SIZE,
@@ -84,6 +85,9 @@ class PostgresBroker(SkipNoopHooks, Broker):
       listen: ``False`` turns LISTEN/NOTIFY off (PgBouncer transaction pooling).
       max_payload_bytes: larger encoded messages are refused at enqueue.
       dead_message_ttl: seconds dead letters and cancellations are kept.
+      max_deliveries: deliveries of one message that may end without any
+        outcome (its worker crashed or lost its lease) before it is
+        dead-lettered instead of queued again; ``None``: no limit.
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
         (faster; a database crash may lose the last few enqueued messages).
     """
@@ -104,10 +108,15 @@ class PostgresBroker(SkipNoopHooks, Broker):
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         synchronous_commit: bool = True,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
             raise ValueError("lease_seconds, poll_interval and rescue_interval must be positive")
+        if max_deliveries is not None and (
+            not isinstance(max_deliveries, int) or isinstance(max_deliveries, bool) or max_deliveries < 1
+        ):
+            raise ValueError(f"max_deliveries must be a positive integer or None, not {max_deliveries!r}")
         super().__init__(middleware=middleware)
         self.logger = get_logger(__name__, type(self))
         self.settings = Settings(
@@ -117,6 +126,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
             rescue_interval=float(rescue_interval),
             listen=listen,
             dead_message_ttl=dead_message_ttl,
+            max_deliveries=max_deliveries,
         )
         self.database = Database(
             url, pool=pool, schema=schema, connect_timeout=connect_timeout, pool_max_size=pool_max_size
@@ -140,6 +150,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
     poll_interval = property(lambda self: self.settings.poll_interval)
     rescue_interval = property(lambda self: self.settings.rescue_interval)
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
+    max_deliveries = property(lambda self: self.settings.max_deliveries)
 
     # -- the parts of this process ----------------------------------------------
     @property

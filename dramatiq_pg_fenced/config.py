@@ -40,6 +40,8 @@ class Settings:
     rescue_interval: float = DEFAULT_RESCUE_INTERVAL
     listen: bool = True
     dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL
+    #: Deliveries without an outcome before a message is dead-lettered; ``None``: no limit.
+    max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
 
     @property
     def channel(self) -> str:
