@@ -157,6 +157,7 @@ class OutcomeWriter:
         # with every batch, from _parked_until on (their leases are kept).
         self._parked: list[Outcome] = []
         self._parked_until = 0.0
+        self._parked_reminded = 0.0  # when "still refused" was last logged (at most once a minute)
         self._thread = threading.Thread(target=self._run, name="dramatiq-pg-outcomes", daemon=True)
         self._thread.start()
 
@@ -324,8 +325,14 @@ class OutcomeWriter:
                 self.write([nack])
             except Exception as e:
                 still.append(nack)
-                if not worth_retrying(e):
-                    self.logger.warning("Dead letter of message %s still refused: %s", nack.message_id, refusal(e))
+                if not worth_retrying(e) and time.monotonic() - self._parked_reminded >= 60:
+                    self._parked_reminded = time.monotonic()
+                    self.logger.warning(
+                        "%d dead letter(s) still refused, e.g. of message %s: %s",
+                        len(parked),
+                        nack.message_id,
+                        refusal(e),
+                    )
                 continue
             self.logger.error("Message %s is dead-lettered at last: %s.", nack.message_id, nack.error)
             self._done([nack])
