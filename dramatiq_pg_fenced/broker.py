@@ -32,6 +32,7 @@ from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
     DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_POOL_MAX_SIZE,
@@ -96,6 +97,9 @@ class PostgresBroker(SkipNoopHooks, Broker):
         statements in the pool made from ``url`` (PgBouncer transaction pooling).
       max_payload_bytes: larger encoded messages are refused at enqueue.
       dead_message_ttl: seconds dead letters and cancellations are kept.
+      max_deliveries: deliveries of one message that may end without any
+        outcome (its worker crashed or lost its lease) before it is
+        dead-lettered instead of queued again; ``None``: no limit.
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
         (faster; a database crash may lose the last few enqueued messages).
     """
@@ -116,10 +120,15 @@ class PostgresBroker(SkipNoopHooks, Broker):
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         synchronous_commit: bool = True,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
             raise ValueError("lease_seconds, poll_interval and rescue_interval must be positive")
+        if max_deliveries is not None and (
+            not isinstance(max_deliveries, int) or isinstance(max_deliveries, bool) or max_deliveries < 1
+        ):
+            raise ValueError(f"max_deliveries must be a positive integer or None, not {max_deliveries!r}")
         super().__init__(middleware=middleware)
         self.logger = get_logger(__name__, type(self))
         self.settings = Settings(
@@ -129,6 +138,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
             rescue_interval=float(rescue_interval),
             listen=listen,
             dead_message_ttl=dead_message_ttl,
+            max_deliveries=max_deliveries,
         )
         self.database = Database(
             url,
@@ -167,6 +177,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
     poll_interval = property(lambda self: self.settings.poll_interval)
     rescue_interval = property(lambda self: self.settings.rescue_interval)
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
+    max_deliveries = property(lambda self: self.settings.max_deliveries)
 
     # -- the parts of this process ----------------------------------------------
     @property
@@ -327,7 +338,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
         """
         self.emit_before("enqueue", message, delay)
         if isinstance(message, PostgresMessageProxy):
-            self._retry(message, delay)
+            if not self._retry(message, delay):
+                return cast(Message, message)  # not re-queued: no after_enqueue
         elif (owner := delivery.deferring()) is not None:
             owner.follow_ups.append(self.row(message, delay))  # written with its outcome, if that applies
         elif (batch := getattr(self._local, "batch", None)) is not None:
@@ -338,18 +350,46 @@ class PostgresBroker(SkipNoopHooks, Broker):
         self.emit_after("enqueue", message, delay)
         return cast(Message, message)
 
-    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> None:
+    def _retry(self, message: PostgresMessageProxy, delay: int | None) -> bool:
+        """Decide this delivery's retry; returns whether it goes back to the queue.
+
+        In the middleware's ``after_process_message`` (Dramatiq's Retries) the
+        retry waits on the delivery for Dramatiq's ack, which hands it over
+        with the delivery's other effects; otherwise it is handed over now.
+        The delivery is settled only once its outcome is handed over: if the
+        retry cannot be built (the encoder raises), the message is
+        dead-lettered with the reason instead, never left held.
+        """
         if message.settled or message.decided is not None:
             self.logger.warning(
                 "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
             )
-            return
-        outcome = retry_outcome(message, delay, self._encode, self.logger)
+            return False
+        try:
+            outcome = retry_outcome(message, delay, self._encode, self.logger)
+        except Exception as e:
+            self.logger.error(
+                "The retry of message %s (attempt %d) could not be built; dead-lettering it.",
+                message.message_id,
+                message.attempt,
+                exc_info=True,
+            )
+            outcome = Outcome(
+                Write.NACK,
+                message.message_id,
+                message.attempt,
+                message.delivery,
+                error=f"the retry of attempt {message.attempt} could not be built: {type(e).__name__}: {e}\n"
+                f"{message.error_text('')}",
+                queue_name=message.queue_name,
+                exception=message.exception,
+            )
         if delivery.deferring() is message:
             message.decided = outcome  # handed over by Dramatiq's ack, with the other effects
-            return
-        message.settled = True
-        self.parts.writer.submit(outcome)
+        else:
+            self.parts.writer.submit(outcome)
+            message.settled = True
+        return outcome.kind is Write.RETRY
 
     def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:
         """Tie a group member's barrier countdown (and the completion messages) to its outcome.

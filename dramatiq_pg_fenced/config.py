@@ -13,6 +13,16 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
 DEFAULT_POOL_MAX_SIZE = 8
 DEFAULT_CONNECT_TIMEOUT = 5
+#: Deliveries of one message that may end without an outcome (the worker
+#: crashed or lost its lease) before it is dead-lettered instead of re-queued.
+DEFAULT_MAX_DELIVERIES = 10
+#: The longest error text stored with a message (``last_error``), in bytes of
+#: UTF-8.  Dramatiq's traceback option (30 frames) is a few KiB, so a real
+#: traceback is never cut; an exception whose text runs to megabytes would
+#: otherwise be written into the hot message table with every retry and shown
+#: by every ``inspect``.  Longer texts keep their head and their tail (where
+#: a Python traceback names the exception).
+MAX_ERROR_BYTES = 64 * 1024
 #: The results and rate-limit backends: their own pools are smaller.
 DEFAULT_BACKEND_POOL_MAX_SIZE = 4
 #: Seconds between purges of expired results and rate-limit keys, per process.
@@ -30,6 +40,8 @@ class Settings:
     rescue_interval: float = DEFAULT_RESCUE_INTERVAL
     listen: bool = True
     dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL
+    #: Deliveries without an outcome before a message is dead-lettered; ``None``: no limit.
+    max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
 
     @property
     def channel(self) -> str:

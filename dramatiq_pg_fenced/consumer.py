@@ -28,7 +28,7 @@ from .database import Database
 from .delivery import Outcome, PostgresMessageProxy
 from .doorbell import Doorbell
 from .errors import lost_connection
-from .fencing import Write
+from .fencing import State, Write
 from .leases import Leases
 from .outcomes import OutcomeWriter
 from .sql import Statements
@@ -212,15 +212,30 @@ class PostgresConsumer(Consumer):
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""
         held = [mid for mid, h in self.leases.snapshot().items() if h.queue_name == self.queue_name]
-        rows = conn.execute(self.statements.release_unseen, [consumer_ids, self.queue_name, held]).fetchall()
-        if rows:
+        params = {
+            "consumers": consumer_ids,
+            "queue": self.queue_name,
+            "held": held,
+            "max": self.settings.max_deliveries,
+        }
+        rows = conn.execute(self.statements.release_unseen, params).fetchall()
+        dead = [str(mid) for mid, state in rows if state == State.DEAD.value]
+        if len(rows) > len(dead):
             self.logger.warning(
                 "Released %d message(s) of queue %r leased by a claim whose response was lost.",
-                len(rows),
+                len(rows) - len(dead),
                 self.queue_name,
             )
             if self.settings.listen:
                 conn.execute(self.statements.notify, [self.settings.channel, [self.queue_name]])
+        for message_id in dead:
+            self.logger.error(
+                "Message %s of queue %r, leased by a claim whose response was lost, had %d deliveries without "
+                "an outcome: it is dead-lettered (max_deliveries).",
+                message_id,
+                self.queue_name,
+                self.settings.max_deliveries,
+            )
 
     def ack(self, message: MessageProxy) -> None:
         self._settle(message, Write.ACK)

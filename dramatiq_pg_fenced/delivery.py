@@ -20,6 +20,7 @@ from typing import Any
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
+from .config import MAX_ERROR_BYTES
 from .fencing import Write
 
 #: A message ready for the enqueue statement: (id, queue, actor, priority, delay ms, payload).
@@ -34,6 +35,9 @@ class ResultWrite:
     ack applies.  As a ``result`` outcome (a stored exception, submitted right
     after its nack) it is fenced on the row being at that attempt, running or
     dead, so it lands only if its attempt's nack did.
+
+    ``failure`` encodes, in the backend's format, what is stored in its place
+    if the database refuses ``data``: a failure that gives the reason.
     """
 
     key: str
@@ -42,6 +46,7 @@ class ResultWrite:
     data: bytes
     ttl_ms: int
     delivery: str | None = None  # the delivery's token, when the writer knows it
+    failure: Callable[[str], bytes] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -78,10 +83,42 @@ class Outcome:
     follow_ups: list[Row] = field(default_factory=list, repr=False)
     countdowns: list[Countdown] = field(default_factory=list, repr=False)
 
+    def __post_init__(self) -> None:
+        self.error = storable_text(self.error)
+
     @property
     def effects(self) -> int:
         """How many things this outcome causes besides itself."""
         return len(self.follow_ups) + len(self.countdowns) + (self.result is not None)
+
+
+def storable_text(text: str | None, limit: int = MAX_ERROR_BYTES) -> str | None:
+    """*text* as a text column takes it: NUL and invalid Unicode replaced by U+FFFD, at most *limit* bytes.
+
+    Lone surrogates (which no UTF-8 text can hold) become U+FFFD; a surrogate
+    pair becomes the character it encodes.  A text over *limit* bytes of
+    UTF-8 keeps its first quarter and its end (where a traceback names the
+    exception) around a note of how much was cut.  Storable text comes back
+    unchanged (and at no cost but a length check and one encode).
+    """
+    if text is None:
+        return None
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        data = text.encode("utf-8")
+    if b"\x00" in data:
+        text = text.replace("\x00", "\ufffd")
+        data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    note = f"\n[... {len(data)} bytes cut here ...]\n"  # an upper bound of the count: never longer than the real note
+    room = max(limit - len(note.encode()), 0)
+    head, tail = data[: room // 4], data[len(data) - (room - room // 4) :] if room else b""
+    cut = len(data) - len(head) - len(tail)
+    # "ignore" drops the bytes of a character split at either cut.
+    return head.decode("utf-8", "ignore") + f"\n[... {cut} bytes cut here ...]\n" + tail.decode("utf-8", "ignore")
 
 
 class PostgresMessageProxy(MessageProxy):

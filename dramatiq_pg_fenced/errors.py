@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import psycopg
-from dramatiq.errors import BrokerError
+from dramatiq.errors import BrokerError, ConnectionClosed
 from psycopg_pool import PoolTimeout
 
 
@@ -28,6 +28,14 @@ class DeadLetterError(BrokerError):
         self.error = error
 
 
+class ResultNotStored(Exception):
+    """Stored in place of an actor's result (or exception) that the database refused.
+
+    ``get_result`` then raises Dramatiq's ``ResultFailure`` naming it, with
+    the reason, instead of waiting for a result that will never come.
+    """
+
+
 #: Server errors that mean the connection itself is gone (shutdown, crash, restart).
 _CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
 
@@ -50,3 +58,29 @@ def describe_failure(error: BaseException, where: str = "") -> str:
         return f"cannot reach PostgreSQL{at}: {text}"
     sqlstate = getattr(error, "sqlstate", None)
     return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"
+
+
+def worth_retrying(error: BaseException) -> bool:
+    """Could the same write succeed later, unchanged?
+
+    Yes when the connection was lost, the server was busy or going away
+    (lock or statement timeout, deadlock, serialization failure, too many
+    connections, disk full) or the schema is not migrated yet.  No when the
+    database refused what was written (bad data, a constraint, a trigger that
+    raised, a value over a limit) or the driver could not even send it (text
+    that is not valid Unicode): writing it again would be refused again.
+    """
+    if lost_connection(error):
+        return True
+    if isinstance(error, psycopg.errors.ProgramLimitExceeded):
+        return False
+    return isinstance(error, (psycopg.OperationalError, SchemaError, ConnectionClosed))
+
+
+def refusal(error: BaseException) -> str:
+    """Why a write was refused, in one ASCII line that any database can store (at most 300 characters)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    sqlstate = getattr(error, "sqlstate", None)
+    line = type(error).__name__ + (f" (SQLSTATE {sqlstate})" if sqlstate else "") + (f": {text}" if text else "")
+    line = line.replace("\x00", "\\0").encode("ascii", "backslashreplace").decode("ascii")
+    return line if len(line) <= 300 else line[:297] + "..."

@@ -2,7 +2,9 @@
 
 - **Rescue**, every ``rescue_interval``: rows of any process whose lease
   expired go back to their queue (a crashed or paused worker's messages are
-  claimable again within one interval), keeping their place in line.
+  claimable again within one interval), keeping their place in line; a
+  message whose deliveries ended that way ``max_deliveries`` times is
+  dead-lettered instead.
 - **Vacuum**, after every few thousand claims of this process: claimed rows
   leave dead entries at the head of the claim index, and without this every
   claim of a long backlog steps over more of them until autovacuum comes by
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 from .config import Settings
 from .database import Database
+from .fencing import State
 from .leases import Leases
 from .periodic import Periodic
 from .sql import Statements
@@ -76,18 +79,32 @@ class Maintenance(Periodic):
             self.purge()
 
     def rescue(self) -> int:
-        """Return expired leases (of any process) to their queues."""
+        """Return expired leases (of any process) to their queues, or dead-letter them at ``max_deliveries``.
+
+        Returns how many rows it took back.
+        """
         with self.database.connection(raw=True) as conn:
-            rows = conn.execute(self.statements.rescue).fetchall()
-            if rows and self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, sorted({r[1] for r in rows})])
-        for message_id, queue_name, attempt in rows:
-            self.logger.warning(
-                "Lease of message %s on queue %r (attempt %d) expired; it is queued for redelivery.",
-                message_id,
-                queue_name,
-                attempt,
-            )
+            rows = conn.execute(self.statements.rescue, {"max": self.settings.max_deliveries}).fetchall()
+            queued = sorted({r[1] for r in rows if r[3] == State.QUEUED.value})
+            if queued and self.settings.listen:
+                conn.execute(self.statements.notify, [self.settings.channel, queued])
+        for message_id, queue_name, attempt, state in rows:
+            if state == State.QUEUED.value:
+                self.logger.warning(
+                    "Lease of message %s on queue %r (attempt %d) expired; it is queued for redelivery.",
+                    message_id,
+                    queue_name,
+                    attempt,
+                )
+            else:
+                self.logger.error(
+                    "Lease of message %s on queue %r (attempt %d) expired, and %d of its deliveries ended "
+                    "without an outcome: it is dead-lettered (max_deliveries).",
+                    message_id,
+                    queue_name,
+                    attempt,
+                    self.settings.max_deliveries,
+                )
         return len(rows)
 
     def may_vacuum(self) -> bool:

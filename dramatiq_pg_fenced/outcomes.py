@@ -3,11 +3,22 @@
 Worker threads hand over an :class:`Outcome` and go back to work (the
 delivery is then *settled*).  One writer thread per process flushes
 everything pending in one transaction, every statement fenced on
-``(message_id, attempt, state = 'running')``.  When the database is away the
+``(message_id, delivery token, state = 'running')``, with what the delivery
+causes (its result, follow-up messages, group countdown).  When the database is away the
 same outcomes are written again with bounded backoff: the actor is never
 re-run for it, and if the lease lapses meanwhile the late write is fenced out
 and the message is redelivered (at-least-once).  Requeue, the release of
 unstarted deliveries at shutdown, is written at once by the caller.
+
+Nothing is dropped.  Error texts are made storable before they are written
+(:func:`storable_text`).  When the database refuses a batch for what is in
+it (not for a lost connection or a busy server), the writer writes its
+outcomes one at a time; an outcome refused alone has its message
+dead-lettered with the reason instead (:meth:`OutcomeWriter._dead_letter`);
+and a dead letter refused too is *parked*: tried again alone every
+``MAX_BACKOFF`` seconds, its lease kept, while the other outcomes flow.  A
+result refused alone is replaced by a stored failure that gives the reason
+(:meth:`OutcomeWriter._store_alone`); the ack it rode with stands.
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ from dramatiq.message import Message
 
 from .config import Settings
 from .database import Database
-from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
-from .errors import PayloadTooLarge, lost_connection
-from .fencing import Miss, StaleWrites, Write
+from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
+from .errors import PayloadTooLarge, lost_connection, refusal, worth_retrying
+from .fencing import Miss, StaleWrites, State, Write
 from .leases import Leases
 from .reconnect import RETRY_INTERVAL
 from .sql import BIGINT_MAX, Statements, rate_limits_channel, results_channel
+
+__all__ = ["MAX_ERROR_BYTES", "Outcome", "OutcomeWriter", "retry_outcome", "storable_text"]
 
 
 def retry_outcome(
@@ -70,7 +83,8 @@ def retry_outcome(
 
 
 class OutcomeWriter:
-    #: Longest pause between two tries after a failed statement (a lost connection: RETRY_INTERVAL).
+    #: Longest pause between two tries while the database is away; also the
+    #: pause between two tries of a parked dead letter.
     MAX_BACKOFF = 5.0
 
     def __init__(
@@ -94,9 +108,15 @@ class OutcomeWriter:
         self._cond = threading.Condition()
         self._busy = False
         self._stopped = False
-        # (message_id, delivery) whose last try failed: it may have committed
+        # (message_id, attempt) whose last try failed: it may have committed
         # before the connection broke, so finding it applied is no stale write.
         self._retried: set[tuple[str, str]] = set()
+        self._away = False  # the last try lost its connection: said once, not per try
+        # Dead letters the database refused as well: tried again alone, not
+        # with every batch, from _parked_until on (their leases are kept).
+        self._parked: list[Outcome] = []
+        self._parked_until = 0.0
+        self._parked_reminded = 0.0  # when "still refused" was last logged (at most once a minute)
         self._thread = threading.Thread(target=self._run, name="dramatiq-pg-outcomes", daemon=True)
         self._thread.start()
 
@@ -110,7 +130,7 @@ class OutcomeWriter:
         """Wait until every submitted outcome is written or fenced out; ``False`` on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._busy:
+            while self._pending or self._busy or self._parked:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -125,57 +145,185 @@ class OutcomeWriter:
 
     def _run(self) -> None:
         backoff = 0.05
-        away = False  # the last try lost its connection, or found none: said once, not per try
         batch: list[Outcome] = []
         while True:
             with self._cond:
-                while not self._pending and not batch and not self._stopped:
-                    self._cond.wait()
+                while not self._pending and not batch and not self._parked_due() and not self._stopped:
+                    self._cond.wait(self._parked_wait())
                 if self._stopped and not self._pending and not batch:
+                    if self._parked:
+                        self.logger.error(
+                            "Stopping with %d outcome(s) the database refused even as dead letters; their leases "
+                            "will lapse and the messages be delivered again (max_deliveries bounds how often).",
+                            len(self._parked),
+                        )
                     return
                 batch.extend(self._pending)
                 self._pending.clear()
+                parked: list[Outcome] = []
+                if self._parked_due():
+                    parked, self._parked = self._parked, []
                 self._busy = True
-            try:
-                self.write(batch)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                self._retried.update((o.message_id, o.delivery) for o in batch)
-                if lost_connection(e):
-                    # The next try waits in the pool, which reconnects at a steady pace and hands
-                    # the connection over at once (reconnect.py logs the outage itself).
-                    if not away:
-                        self.logger.info(
-                            "Could not write %d outcome(s) (%s); they are written as soon as the database is back. "
-                            "The actors will not run again for them.",
-                            len(batch),
-                            e,
-                        )
-                    away = True
-                    time.sleep(min(backoff, RETRY_INTERVAL))
-                    backoff = min(backoff * 2, RETRY_INTERVAL)
-                    continue
-                self.logger.warning(
-                    "Could not write %d outcome(s) (%s); trying again in %.2fs. The actors will not run again for them.",
-                    len(batch),
-                    e,
-                    backoff,
-                )
-                time.sleep(backoff)
+            if parked:
+                self._write_parked(parked)
+            again = self._write_all(batch, backoff) if batch else []
+            if again:
+                # After a lost connection the next try waits in the pool, which reconnects at a steady
+                # pace and hands the connection over at once (reconnect.py logs the outage itself).
+                time.sleep(min(backoff, RETRY_INTERVAL) if self._away else backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
+                batch = again
                 continue
-            except Exception:
-                self.logger.exception(
-                    "Unexpected error writing %d outcome(s); they are dropped, leases will lapse.", len(batch)
-                )
             backoff = 0.05
-            away = False
-            for outcome in batch:
-                self._retried.discard((outcome.message_id, outcome.delivery))
-                self.leases.release(outcome.message_id, outcome.delivery)
             batch = []
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+    def _write_all(self, batch: list[Outcome], backoff: float) -> list[Outcome]:
+        """Write *batch*; returns what to write again after a pause (the database is away or busy)."""
+        try:
+            self.write(batch)
+        except Exception as e:
+            if worth_retrying(e):
+                if not lost_connection(e):
+                    self.logger.warning(
+                        "Could not write %d outcome(s) (%s); trying again in %.2fs. "
+                        "The actors will not run again for them.",
+                        len(batch),
+                        e,
+                        backoff,
+                    )
+                elif not self._away:
+                    self.logger.info(
+                        "Could not write %d outcome(s) (%s); they are written as soon as the database is back. "
+                        "The actors will not run again for them.",
+                        len(batch),
+                        e,
+                    )
+                self._away = lost_connection(e)
+                self._failed_at_commit(batch, e)
+                return batch
+            self.logger.warning(
+                "The database refused a batch of %d outcome(s) (%s); writing them one at a time.",
+                len(batch),
+                refusal(e),
+            )
+            return self._isolate(batch)
+        self._done(batch)
+        return []
+
+    def _isolate(self, batch: list[Outcome]) -> list[Outcome]:
+        """Write each outcome alone; one refused alone has its message dead-lettered with the reason.
+
+        Returns what to write again after a pause: from the first outcome
+        whose write failed for a reason other than a refusal (the database
+        went away meanwhile), the rest of the batch.
+        """
+        for i, outcome in enumerate(batch):
+            try:
+                self.write([outcome])
+            except Exception as e:
+                if worth_retrying(e):
+                    self._failed_at_commit([outcome], e)
+                    return batch[i:]
+                dead_letter = self._dead_letter(outcome, e)
+                if dead_letter is not None:  # the dead letter met a lost connection: its turn comes again
+                    return [dead_letter, *batch[i + 1 :]]
+            else:
+                self._done([outcome])
+        return []
+
+    def _dead_letter(self, outcome: Outcome, error: BaseException) -> Outcome | None:
+        """Dead-letter the message of *outcome*, which the database refused (*error*), saying why.
+
+        Tries a reason with the refusal and the actor's error (escaped to
+        ASCII, first 2000 characters), then one without the actor's error,
+        then a bare one; a dead letter refused in every form is parked.
+        Returns the dead letter when a try failed for a reason other than a
+        refusal, for the caller to write again after a pause.
+        """
+        what = f"the {outcome.kind.value} of attempt {outcome.attempt} could not be stored"
+        reasons = [f"{what} ({refusal(error)})", what]
+        if outcome.error:
+            escaped = outcome.error[:2000].encode("ascii", "backslashreplace").decode("ascii")
+            reasons.insert(0, f"{reasons[0]}; the actor's error was: {escaped}")
+        nack = outcome
+        for reason in reasons:
+            nack = Outcome(
+                Write.NACK,
+                outcome.message_id,
+                outcome.attempt,
+                outcome.delivery,
+                error=reason,
+                queue_name=outcome.queue_name,
+                exception=outcome.exception,
+            )
+            try:
+                self.write([nack])
+            except Exception as e:
+                if worth_retrying(e):
+                    self._failed_at_commit([nack], e)
+                    return nack
+                continue
+            self.logger.error("Message %s is dead-lettered: %s.", outcome.message_id, reason)
+            self._done([nack])
+            return None
+        self.logger.error(
+            "Message %s: %s, and the database refuses its dead letter too; trying again every %.0fs "
+            "(its lease is kept meanwhile).",
+            outcome.message_id,
+            what,
+            self.MAX_BACKOFF,
+        )
+        with self._cond:
+            if not self._parked:
+                self._parked_until = time.monotonic() + self.MAX_BACKOFF
+            self._parked.append(nack)
+        return None
+
+    def _parked_due(self) -> bool:
+        return bool(self._parked) and time.monotonic() >= self._parked_until
+
+    def _parked_wait(self) -> float | None:
+        """How long the writer may sleep when idle: until the parked dead letters are due, if any."""
+        return max(self._parked_until - time.monotonic(), 0.0) if self._parked else None
+
+    def _write_parked(self, parked: list[Outcome]) -> None:
+        """Try the parked dead letters again, each alone; park again those still not written."""
+        still: list[Outcome] = []
+        for nack in parked:
+            try:
+                self.write([nack])
+            except Exception as e:
+                still.append(nack)
+                if not worth_retrying(e) and time.monotonic() - self._parked_reminded >= 60:
+                    self._parked_reminded = time.monotonic()
+                    self.logger.warning(
+                        "%d dead letter(s) still refused, e.g. of message %s: %s",
+                        len(parked),
+                        nack.message_id,
+                        refusal(e),
+                    )
+                continue
+            self.logger.error("Message %s is dead-lettered at last: %s.", nack.message_id, nack.error)
+            self._done([nack])
+        if still:
+            with self._cond:
+                self._parked_until = time.monotonic() + self.MAX_BACKOFF
+                self._parked = still + self._parked
+
+    def _failed_at_commit(self, outcomes: list[Outcome], error: BaseException) -> None:
+        """After *error*: if it cost the connection, the writes may have committed (see StaleWrites.report)."""
+        if lost_connection(error):
+            self._retried.update((o.message_id, o.delivery) for o in outcomes)
+
+    def _done(self, outcomes: list[Outcome]) -> None:
+        """Written (or fenced out): forget the deliveries, freeing their slots."""
+        self._away = False
+        for outcome in outcomes:
+            self._retried.discard((outcome.message_id, outcome.delivery))
+            self.leases.release(outcome.message_id, outcome.delivery)
 
     def write(self, batch: list[Outcome]) -> None:
         stmts = self.statements
@@ -249,9 +397,12 @@ class OutcomeWriter:
     def _write_results(
         self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[tuple[str, str]]
     ) -> list[Miss]:
-        """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones."""
-        stmts = self.statements
-        channel = results_channel(self.settings.schema)
+        """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones.
+
+        A result the database refuses does not undo its ack (or nack): it is
+        written again alone, and if refused alone, a failure that gives the
+        reason is stored in its place (:meth:`_store_alone`).
+        """
         # One row per key and statement (ON CONFLICT cannot touch a row twice).
         with_ack = {
             o.result.key: o.result
@@ -259,26 +410,66 @@ class OutcomeWriter:
             if o.result is not None and (o.message_id, o.delivery) in applied
         }
         fenced = {o.result.key: o.result for o in by_kind[Write.RESULT] if o.result is not None}
-        misses: list[Miss] = []
         try:
             with conn.transaction():  # a savepoint: a result that cannot be written must not undo the acks
-                if with_ack:
-                    conn.execute(stmts.result_store, {**result_params(with_ack.values()), "channel": channel})
-                if fenced:
-                    params = {**result_params(fenced.values()), "channel": channel, "states": ["running", "dead"]}
-                    written = {r[0] for r in conn.execute(stmts.result_store_fenced, params).fetchall()}
-                    misses = [
-                        (Write.RESULT, w.message_id, w.attempt or 0, w.delivery)
-                        for key, w in fenced.items()
-                        if key not in written
-                    ]
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            raise
-        except psycopg.Error:
-            self.logger.exception(
-                "Could not write %d result(s); they are dropped, the acks stand.", len(with_ack) + len(fenced)
+                self._store(conn, list(with_ack.values()), fenced=False)
+                written = self._store(conn, list(fenced.values()), fenced=True)
+        except Exception as e:
+            if worth_retrying(e):
+                raise
+            self.logger.warning(
+                "The database refused %d result(s) written together (%s); writing them one at a time.",
+                len(with_ack) + len(fenced),
+                refusal(e),
             )
-        return misses
+            for write in with_ack.values():
+                self._store_alone(conn, write, fenced=False)
+            written = {key for key, write in fenced.items() if self._store_alone(conn, write, fenced=True)}
+        return [
+            (Write.RESULT, w.message_id, w.attempt or 0, w.delivery) for key, w in fenced.items() if key not in written
+        ]
+
+    def _store(self, conn: psycopg.Connection, writes: list[ResultWrite], *, fenced: bool) -> set[str]:
+        """Write *writes*; returns the keys written (fenced: those whose delivery still held the row)."""
+        if not writes:
+            return set()
+        params = {**result_params(writes), "channel": results_channel(self.settings.schema)}
+        if not fenced:
+            conn.execute(self.statements.result_store, params)
+            return {w.key for w in writes}
+        params["states"] = [State.RUNNING.value, State.DEAD.value]
+        return {r[0] for r in conn.execute(self.statements.result_store_fenced, params).fetchall()}
+
+    def _store_alone(self, conn: psycopg.Connection, write: ResultWrite, *, fenced: bool) -> bool:
+        """Write one result in a savepoint; if refused, a failure that says so in its place.
+
+        Returns ``False`` only when the write was fenced out.  If even the
+        failure is refused, the error is logged and the outcome stands
+        without a result.
+        """
+        try:
+            with conn.transaction():
+                return write.key in self._store(conn, [write], fenced=fenced)
+        except Exception as e:
+            if worth_retrying(e):
+                raise
+            reason = f"the result of attempt {write.attempt} of message {write.message_id} could not be stored"
+            reason = f"{reason} ({refusal(e)})"
+        try:
+            if write.failure is None:
+                raise ValueError("no failure encoder for this result")
+            with conn.transaction():
+                failure = dataclasses.replace(write, data=write.failure(reason))
+                written = write.key in self._store(conn, [failure], fenced=fenced)
+        except Exception as e:
+            if worth_retrying(e):
+                raise
+            self.logger.error(
+                "%s, nor a failure in its place (%s); its ack or nack stands without a result.", reason, refusal(e)
+            )
+            return True
+        self.logger.error("%s; a failure saying so is stored in its place.", reason)
+        return written
 
     def requeue(self, proxies: list[PostgresMessageProxy]) -> set[str]:
         """Release unstarted deliveries now, fenced; the attempt number and the place in line stay.

@@ -84,6 +84,7 @@ from .config import (
 from .database import Database
 from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, deferring, write_pending
 from .doorbell import poll_pauses
+from .errors import ResultNotStored
 from .fencing import StaleWrites, State, Write
 from .maintenance import PurgeSchedule
 from .sql import check_schema, results_channel, statements
@@ -237,7 +238,12 @@ class PostgresBackend(ResultBackend):
             data=self.encoder.encode(wrapped),
             ttl_ms=int(ttl),
             delivery=message.delivery if isinstance(message, PostgresMessageProxy) else None,
+            failure=self._failure_data,
         )
+
+    def _failure_data(self, reason: str) -> bytes:
+        """What is stored when the database refuses a result: ``get_result`` raises ``ResultFailure`` with *reason*."""
+        return self.encoder.encode(wrap_exception(ResultNotStored(reason)))
 
     def _store_now(self, write: ResultWrite, states: list[State]) -> bool:
         """Write at once; fenced on the row being at the attempt in one of *states* when there is an attempt."""

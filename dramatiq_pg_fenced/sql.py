@@ -20,14 +20,22 @@ running    (deleted)  ack              the outcome writer; fenced on the token
 running    dead       nack             the outcome writer; fenced on the token
 running    queued     retry            the outcome writer; fenced; new payload, due time
 running    queued     requeue          shutdown release; fenced; attempt and place kept
-running    queued     release_unseen   a consumer after a lost claim response; its rows only
-running    queued     rescue           maintenance; lease expired (any process)
+running    queued     release_unseen   a consumer after a lost claim response; its rows
+                                       only; lost_deliveries + 1
+running    dead       release_unseen   the same, at ``max_deliveries`` lost deliveries
+running    queued     rescue           maintenance; lease expired (any process);
+                                       lost_deliveries + 1
+running    dead       rescue           the same, at ``max_deliveries`` lost deliveries
 running    running    extend           the lease keeper; fenced; lease pushed out
 queued     cancelled  cancel           an operator; not fenced (administrative)
 running    cancelled  cancel           an operator; fences out that attempt's outcome
 dead       (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 =========  =========  ===============  ==============================================
+
+``lost_deliveries`` counts the deliveries that ended without any outcome
+(migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
+a release at shutdown is an outcome.
 """
 
 from __future__ import annotations
@@ -61,6 +69,23 @@ def check_queue(name: str) -> str:
         raise ValueError(f"invalid queue name {name!r}: use letters, digits, '.', '-' and '_' (at most 200)")
     return name
 
+
+# A delivery ended without an outcome (rescue, release_unseen): count it, and
+# at %(max)s such deliveries (NULL: no limit) dead-letter the message with the
+# reason, keeping the error of its last retry, instead of queueing it again.
+_LOST_DEAD = "lost_deliveries + 1 >= %(max)s::int"
+_LOST = f"""
+    lost_deliveries = lost_deliveries + 1,
+    state = CASE WHEN {_LOST_DEAD} THEN 'dead' ELSE 'queued' END,
+    finished_at = CASE WHEN {_LOST_DEAD} THEN now() END,
+    last_error = CASE WHEN {_LOST_DEAD}
+        THEN 'dead-lettered after ' || (lost_deliveries + 1)
+             || CASE WHEN lost_deliveries = 0 THEN ' delivery' ELSE ' deliveries' END
+             || ' without an outcome (the worker crashed or lost its lease each time; max_deliveries='
+             || %(max)s::int || ')' || coalesce(E'\\nthe error before that: ' || last_error, '')
+        ELSE last_error END,
+    lease_expires_at = NULL, consumer_id = NULL
+"""
 
 _TEMPLATES = {
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
@@ -109,12 +134,12 @@ _TEMPLATES = {
     # its own, so a sibling's fresh claim is never touched), running, yet not
     # held.  They go back now, not when their lease runs out; the next claim
     # bumps the attempt.
-    "release_unseen": """
-        UPDATE {schema}.message
-           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
-         WHERE state = 'running' AND consumer_id = ANY(%s::text[]) AND queue_name = %s
-           AND message_id <> ALL(%s::uuid[])
-        RETURNING message_id
+    "release_unseen": f"""
+        UPDATE {{schema}}.message
+           SET {_LOST}
+         WHERE state = 'running' AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
+           AND message_id <> ALL(%(held)s::uuid[])
+        RETURNING message_id, state
     """,
     # -- fenced outcomes (batched: unnest of ids and delivery tokens) ------
     "ack": """
@@ -168,11 +193,11 @@ _TEMPLATES = {
     # Expired leases go back to the queue; the next claim bumps the attempt.
     # Like requeue and release_unseen, this keeps available_at: the message
     # takes its old place in the queue, not a place behind the backlog.
-    "rescue": """
-        UPDATE {schema}.message
-           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
+    "rescue": f"""
+        UPDATE {{schema}}.message
+           SET {_LOST}
          WHERE state = 'running' AND lease_expires_at < now()
-        RETURNING message_id, queue_name, attempt
+        RETURNING message_id, queue_name, attempt, state
     """,
     "purge_finished": """
         DELETE FROM {schema}.message
@@ -227,7 +252,7 @@ _TEMPLATES = {
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
-               finished_at, last_error, payload
+               finished_at, last_error, lost_deliveries, payload
           FROM {schema}.message WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",

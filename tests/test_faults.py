@@ -805,6 +805,42 @@ def test_work_resumes_after_terminated_connections_and_restarts(outage_env: Call
     assert len(noisy) <= 4 * len(workers.procs), "a line per try"
 
 
+# -- 4. a message that kills its worker ------------------------------------------------------------
+@pytest.mark.slow
+def test_a_message_that_kills_its_worker_is_dead_lettered(
+    fault_env: Callable[..., Env], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor SIGKILLs its own worker process on every delivery.  With max_deliveries=3 it runs
+    three times, in three processes, and is then dead-lettered with the reason (by the rescue of
+    the next worker) instead of killing workers forever; that worker goes on with other messages."""
+    monkeypatch.setenv("FAULT_MAX_DELIVERIES", "3")
+    broker, ledger, workers = fault_env(lease_seconds=2, threads=2)
+    killer: Message[Any] = Message(queue_name="crash", actor_name="crash", args=(), kwargs={}, options={})
+    mid = killer.message_id
+    broker.enqueue(killer)
+    deadline = time.monotonic() + 120
+    proc: subprocess.Popen | None = None
+    while (broker.inspect(mid) or {}).get("state") != "dead":
+        starts = [e for e in ledger.entries(mid) if e.event == "start"]
+        assert len(starts) <= 3, f"ran {len(starts)} times: {starts}"
+        assert time.monotonic() < deadline, f"not dead-lettered in time: {broker.inspect(mid)}"
+        if proc is None or proc.poll() is not None:
+            proc = workers.start()  # the CLI stops when its worker process is killed
+        time.sleep(0.1)
+
+    starts = [e for e in ledger.entries(mid) if e.event == "start"]
+    assert [e.attempt for e in starts] == [1, 2, 3]
+    assert len({e.pid for e in starts}) == 3
+    info = broker.inspect(mid)
+    assert info is not None and (info["attempt"], info["lost_deliveries"]) == (3, 3)
+    assert info["last_error"].startswith("dead-lettered after 3 deliveries without an outcome")
+    after = work_messages(3, 0.01)
+    broker.enqueue_many(after)
+    wait_for(lambda: ledger.rows_by_state() == {"dead": 1}, 60, "the worker to go on with other messages")
+    assert ledger.count("finish") == 3
+    assert proc is not None and proc.poll() is None
+
+
 # -- attempt numbers only grow (no processes) -----------------------------------------------
 def test_attempt_numbers_only_grow(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> None:
     """Across shutdown release, lease expiry and retry, the attempt never goes down, and each

@@ -2,8 +2,9 @@
 
 Configured from the environment: ``DRAMATIQ_PG_URL``, ``DRAMATIQ_PG_SCHEMA``,
 ``FAULT_LEASE_SECONDS`` and, optionally, ``FAULT_BROKER_URL`` (the broker's
-own connections only, e.g. through a proxy the test can cut, or another server)
-and ``FAULT_POLL_INTERVAL`` / ``FAULT_RESCUE_INTERVAL`` (0.2 s unless set).  The broker's
+own connections only, e.g. through a proxy the test can cut, or another server),
+``FAULT_POLL_INTERVAL`` / ``FAULT_RESCUE_INTERVAL`` (0.2 s unless set) and
+``FAULT_MAX_DELIVERIES``.  The broker's
 connections carry ``application_name = faulttest_<schema>`` so a test can
 terminate exactly them.
 
@@ -13,6 +14,7 @@ have to believe the broker's rows alone.
 """
 
 import os
+import signal
 import threading
 import time
 
@@ -23,6 +25,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
 
 URL = os.environ["DRAMATIQ_PG_URL"]
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
@@ -34,6 +37,7 @@ broker = PostgresBroker(
     lease_seconds=float(os.environ.get("FAULT_LEASE_SECONDS", "2")),
     rescue_interval=float(os.environ.get("FAULT_RESCUE_INTERVAL", "0.2")),
     poll_interval=float(os.environ.get("FAULT_POLL_INTERVAL", "0.2")),
+    max_deliveries=int(os.environ.get("FAULT_MAX_DELIVERIES", DEFAULT_MAX_DELIVERIES)),
 )
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
@@ -88,3 +92,10 @@ def work(seconds: float) -> None:
     record("start")
     time.sleep(seconds)
     record("finish")
+
+
+@dramatiq.actor(queue_name="crash", max_retries=0)
+def crash() -> None:
+    """Kills its own worker process (as a segfault or the OOM killer would): no outcome, ever."""
+    record("start")
+    os.kill(os.getpid(), signal.SIGKILL)
