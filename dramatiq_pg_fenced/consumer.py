@@ -27,7 +27,7 @@ from .config import Settings
 from .database import Database
 from .delivery import Outcome, PostgresMessageProxy
 from .doorbell import Doorbell
-from .errors import lost_connection
+from .errors import SchemaError, lost_connection
 from .fencing import State, Write
 from .leases import Leases
 from .outcomes import OutcomeWriter
@@ -150,6 +150,8 @@ class PostgresConsumer(Consumer):
                         seconds = row[0] if row else None
                         self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
                 break
+            except SchemaError:
+                return  # not migrated (yet): the database layer says so once; claim again at the next poll
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 # A claim that failed in flight may have committed rows we never saw.
                 self.lost_claims.put_back(

@@ -23,9 +23,10 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import migrations
+from .conditions import Condition
 from .doorbell import Doorbell
-from .errors import describe_failure, lost_connection
-from .reconnect import PacedPool
+from .errors import SchemaError, describe_failure, lost_connection
+from .reconnect import PacedConnection, PacedPool
 
 T = TypeVar("T")
 
@@ -133,6 +134,8 @@ class Database:
         self.name = name
         self._lock = threading.Lock()
         self._local: _ProcessLocal | None = None
+        #: The schema is missing or old: said once (then once a minute), not by every part on every try.
+        self.schema_unready = Condition(logging.getLogger(__name__), f"Schema {schema!r} is not ready")
 
     # -- per process ----------------------------------------------------------
     def _here(self) -> _ProcessLocal:
@@ -205,8 +208,13 @@ class Database:
         try:
             with local.pool.connection(timeout=timeout) as conn:
                 if not local.schema_checked:
-                    migrations.check(conn, self.schema, url_hint=self.safe_url())
+                    try:
+                        migrations.check(conn, self.schema, url_hint=self.safe_url())
+                    except SchemaError as e:
+                        self.schema_unready.hit(str(e))
+                        raise
                     local.schema_checked = True
+                    self.schema_unready.clear()
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
             if lost_connection(e) and not isinstance(e, PoolTimeout) and local.owns_pool:
@@ -233,6 +241,14 @@ class Database:
                 if tries == 2 or isinstance(e, PoolTimeout):
                     raise ConnectionClosed(self.describe(e)) from None
         raise AssertionError("unreachable")
+
+    def connect(self) -> psycopg.Connection:
+        """A connection of its own (not pooled), paced like the pool's while the server is away.
+
+        For a part that must not wait behind the pool (the lease keeper); its
+        owner closes it.  The schema is not checked on it.
+        """
+        return PacedConnection.connect(self.conninfo, **connection_kwargs(self.connect_timeout, prepare=self.prepare))
 
     def migrate(self) -> list[int]:
         """Create or upgrade the schema; returns the versions applied."""

@@ -11,10 +11,13 @@ cancelled): their outcome will be fenced out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
 from typing import NamedTuple
+
+import psycopg
 
 from .config import Settings
 from .database import Database
@@ -150,9 +153,23 @@ class LeaseKeeper(Periodic):
         self.database = database
         self.statements = statements
         self.settings = settings
+        self._conn: psycopg.Connection | None = None
 
     def tick(self) -> None:
         self.extend()
+
+    def _connection(self) -> psycopg.Connection:
+        """A connection of the keeper's own: a busy or exhausted pool never delays an extension."""
+        if self._conn is None or self._conn.closed:
+            self._conn = self.database.connect()
+        return self._conn
+
+    def stop(self) -> None:
+        super().stop()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def extend(self) -> set[str]:
         """Extend every lease held (and not known lost), fenced; returns the ones found lost."""
@@ -160,11 +177,20 @@ class LeaseKeeper(Periodic):
         if not held:
             return set()
         tokens = {mid: h.delivery for mid, h in held.items()}
-        with self.database.connection(raw=True) as conn:
-            rows = conn.execute(
-                self.statements.extend, [self.settings.lease_seconds, list(tokens), list(tokens.values())]
-            ).fetchall()
-        lost = self.leases.mark_lost(tokens, {str(r[0]) for r in rows})
+        conn = self._connection()
+        try:
+            params = {"ids": list(tokens), "deliveries": list(tokens.values()), "lease": self.settings.lease_seconds}
+            kept = {str(r[0]) for r in conn.execute(self.statements.extend, params).fetchall()}
+            if len(kept) < len(tokens):
+                rest = {mid: token for mid, token in tokens.items() if mid not in kept}
+                rows = conn.execute(self.statements.held_elsewhere, [list(rest), list(rest.values())]).fetchall()
+                kept |= {str(r[0]) for r in rows}  # locked by another session: extended next time
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._conn = None
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
+        lost = self.leases.mark_lost(tokens, kept)
         for message_id in lost:
             self.logger.warning(
                 "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "

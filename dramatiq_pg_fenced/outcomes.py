@@ -36,7 +36,7 @@ from dramatiq.message import Message
 from .config import Settings
 from .database import Database
 from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
-from .errors import PayloadTooLarge, lost_connection, refusal, worth_retrying
+from .errors import PayloadTooLarge, SchemaError, lost_connection, refusal, worth_retrying
 from .fencing import Miss, StaleWrites, State, Write
 from .leases import Leases
 from .reconnect import RETRY_INTERVAL
@@ -186,7 +186,9 @@ class OutcomeWriter:
             self.write(batch)
         except Exception as e:
             if worth_retrying(e):
-                if not lost_connection(e):
+                if isinstance(e, SchemaError):
+                    pass  # the database layer says so, once (then once a minute)
+                elif not lost_connection(e):
                     self.logger.warning(
                         "Could not write %d outcome(s) (%s); trying again in %.2fs. "
                         "The actors will not run again for them.",

@@ -7,7 +7,7 @@ import threading
 
 import psycopg
 
-from .errors import lost_connection
+from .errors import SchemaError, lost_connection
 from .reconnect import RETRY_INTERVAL
 
 
@@ -49,6 +49,8 @@ class Periodic:
             lost = False
             try:
                 self.tick()
+            except SchemaError:
+                pass  # the database layer says so, once (then once a minute)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 lost = lost_connection(e)
                 if lost:

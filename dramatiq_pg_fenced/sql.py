@@ -173,12 +173,30 @@ _TEMPLATES = {
          WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
+    # SKIP LOCKED: a row some other session has locked (an operator's
+    # SELECT ... FOR UPDATE, a cancel in progress) never holds up the others;
+    # it is told apart from a lost row by held_elsewhere, which does not lock.
     "extend": """
+        WITH mine AS (
+            SELECT m.message_id FROM {schema}.message AS m
+              JOIN unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
+                ON m.message_id = o.id AND m.delivery = o.delivery
+             WHERE m.state = 'running'
+               FOR UPDATE OF m SKIP LOCKED
+        )
         UPDATE {schema}.message AS m
-           SET lease_expires_at = now() + %s * interval '1 second'
-          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
-        RETURNING m.message_id, m.delivery
+           SET lease_expires_at = now() + %(lease)s * interval '1 second'
+          FROM mine
+         WHERE m.message_id = mine.message_id
+        RETURNING m.message_id
+    """,
+    # Of the deliveries an extension did not come back with: those still running
+    # under their token (locked by another session), not lost.
+    "held_elsewhere": """
+        SELECT m.message_id FROM {schema}.message AS m
+          JOIN unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
+            ON m.message_id = o.id AND m.delivery = o.delivery
+         WHERE m.state = 'running'
     """,
     # What a stale writer is told: the row as it is now.
     "current": """
@@ -474,6 +492,7 @@ class Statements:
     retry: bytes
     requeue: bytes
     extend: bytes
+    held_elsewhere: bytes
     current: bytes
     count_stale: bytes
     counters: bytes

@@ -340,3 +340,78 @@ def test_join_raises_the_actors_exception_by_default(dramatiq_pg_broker_factory:
         fail.send()
         with pytest.raises(LookupError, match="StubBroker"):
             broker.join("default", timeout=10_000)
+
+
+# -- leases survive what is not an outage of the whole process ------------------------------------
+def test_a_row_locked_elsewhere_and_a_busy_pool_hold_up_no_lease(dramatiq_pg_broker_factory: Factory) -> None:
+    """The keeper extends on a connection of its own, and skips a row another session has locked
+    (extended next time, not taken for lost) instead of waiting for it with every other lease."""
+    import time
+
+    import psycopg
+
+    broker = dramatiq_pg_broker_factory(lease_seconds=1.5, pool_max_size=1)
+    broker.declare_queue("default")
+    for _ in range(3):
+        broker.enqueue(message())
+    consumer = broker.consume("default", prefetch=3, timeout=100)
+    held = [wait_for(lambda: next(consumer), 10, "a delivery") for _ in range(3)]
+    locked, others = held[0], held[1:]
+
+    def expiries(conn: psycopg.Connection) -> dict[str, Any]:
+        rows = conn.execute(
+            f'SELECT message_id::text, lease_expires_at FROM "{broker.schema}".message WHERE state = %s', ["running"]
+        ).fetchall()
+        return dict(rows)
+
+    with psycopg.connect(broker.url, autocommit=True) as outside, psycopg.connect(broker.url) as locker:
+        locker.execute(
+            f'SELECT 1 FROM "{broker.schema}".message WHERE message_id = %s FOR UPDATE', [locked.message_id]
+        )  # an open transaction holds the row
+        before = expiries(outside)
+        with broker.database.connection():  # the pool's only connection is busy throughout
+            deadline = time.monotonic() + 10
+            while not all(expiries(outside)[d.message_id] > before[d.message_id] for d in others):
+                assert time.monotonic() < deadline, "the other leases were not extended"
+                time.sleep(0.05)
+        assert not broker.parts.leases.is_lost(locked.message_id)  # locked elsewhere is not lost
+        locker.rollback()
+    for d in held:
+        consumer.ack(d)
+    assert broker.flush_outcomes(10)
+    assert broker.stats()["totals"].get("stale_writes", 0) == 0
+
+
+# -- one line per condition, not one per try ---------------------------------------------------
+def test_a_missing_schema_is_said_once_not_by_every_part_on_every_try(
+    dramatiq_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+    import uuid as uuid_
+
+    import psycopg
+    from psycopg import sql
+
+    schema = f"t_{uuid_.uuid4().hex[:12]}"
+    broker = PostgresBroker(dramatiq_pg_url, schema=schema, poll_interval=0.05, rescue_interval=0.05, lease_seconds=1)
+    broker.declare_queue("default")
+    try:
+        with caplog.at_level("INFO"):
+            consumer = broker.consume("default", prefetch=1, timeout=50)
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                assert next(consumer) is None  # no schema: nothing to claim, no exception into Dramatiq
+        said = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR", "CRITICAL")]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert "migrate" in said[0].getMessage() and schema in said[0].getMessage()
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            broker.migrate()
+            sent = message()
+            broker.enqueue(sent)
+            got = wait_for(lambda: next(consumer), 10, "a delivery once migrated")
+        assert got.message_id == sent.message_id
+    finally:
+        broker.close()
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
