@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
 from .errors import SchemaError, describe_failure, lost_connection
-from .reconnect import PacedConnection, PacedPool
+from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, server_for
 
 T = TypeVar("T")
 
@@ -126,6 +127,11 @@ class Database:
         name: str = "broker",
     ) -> None:
         self.url = url or ""
+        if self.url:
+            try:
+                conninfo_to_dict(self.url)
+            except psycopg.ProgrammingError as e:  # libpq's words name the fault, never the password
+                raise ValueError(f"malformed PostgreSQL URL or connection string: {e}") from None
         self.given_pool = pool
         self.schema = schema
         self.connect_timeout = connect_timeout
@@ -195,7 +201,9 @@ class Database:
 
     # -- connections ----------------------------------------------------------
     @contextmanager
-    def connection(self, *, raw: bool = False, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+    def connection(
+        self, *, raw: bool = False, timeout: float | None = None, fail_fast: bool | None = None
+    ) -> Iterator[psycopg.Connection]:
         """A pooled autocommit connection to a migrated schema, waited for at most *timeout* seconds
         (the pool's by default).
 
@@ -206,7 +214,7 @@ class Database:
         """
         local = self._here()
         try:
-            with local.pool.connection(timeout=timeout) as conn:
+            with self._pooled(local, fail_fast=not raw if fail_fast is None else fail_fast, timeout=timeout) as conn:
                 if not local.schema_checked:
                     try:
                         migrations.check(conn, self.schema, url_hint=self.safe_url())
@@ -226,13 +234,43 @@ class Database:
                 raise
             raise ConnectionClosed(self.describe(e)) from None
 
+    @contextmanager
+    def _pooled(self, local: _ProcessLocal, *, fail_fast: bool, timeout: float | None) -> Iterator[psycopg.Connection]:
+        """The pool's connection.  For the application's own calls (``fail_fast``): waited for at most
+        ``connect_timeout`` seconds, and refused, with the cause, after one reconnect round of the
+        pool (``RETRY_INTERVAL``) while this process knows the server is unreachable (refused,
+        unknown host, wrong password...): a ``send()`` in a web request must not hang on a database
+        that is down, and one made as the server comes back gets the first connection the pool
+        makes.  The background parts wait for the pool."""
+        if not fail_fast:
+            with local.pool.connection(timeout=timeout) as conn:
+                yield conn
+            return
+        server = server_for(self.conninfo)
+        start = time.monotonic()
+        deadline = start + (self.connect_timeout if timeout is None else timeout)
+        while True:
+            try:
+                conn = local.pool.getconn(timeout=max(min(0.05, deadline - time.monotonic()), 0.001))
+                break
+            except PoolTimeout:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise
+                if server.down and now - start > 1.2 * RETRY_INTERVAL:
+                    raise psycopg.OperationalError(server.cause) from None
+        try:
+            yield conn
+        finally:
+            local.pool.putconn(conn)
+
     def run(self, work: Callable[[psycopg.Connection], T], *, transaction: bool = False) -> T:
         """Run idempotent *work* on a pooled connection; once more on a fresh
         one if the first was broken.  Connection failures become Dramatiq's
         ``ConnectionClosed``."""
         for tries in (1, 2):
             try:
-                with self.connection(raw=True) as conn:
+                with self.connection(raw=True, fail_fast=True) as conn:
                     if not transaction:
                         return work(conn)
                     with conn.transaction():

@@ -55,7 +55,12 @@ def describe_failure(error: BaseException, where: str = "") -> str:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     at = f" at {where}" if where else ""
     if lost_connection(error):
-        return f"cannot reach PostgreSQL{at}: {text}"
+        # libpq gives a failed connection no SQLSTATE; the server's own refusal is its "FATAL:" line
+        # (a wrong password, an unknown role or database, too many connections).
+        refused = text.partition("FATAL:")[2].strip()
+        if refused:
+            return f"PostgreSQL{at} refused the connection: {refused}"
+        return f"cannot reach PostgreSQL{at}: {text.rsplit(' failed: ', 1)[-1]}"
     sqlstate = getattr(error, "sqlstate", None)
     return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"
 

@@ -65,6 +65,11 @@ class Server:
     def down(self) -> bool:
         return self._down_since is not None
 
+    @property
+    def cause(self) -> str:
+        """Why the last attempt failed (libpq's words, the server named by :attr:`where`)."""
+        return self._cause
+
     def connect(self, connect: Callable[[], C]) -> C:
         """Run *connect* (which opens a connection to this server), paced while the server is down."""
         if self._down_since is not None:

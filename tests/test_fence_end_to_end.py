@@ -415,3 +415,46 @@ def test_a_missing_schema_is_said_once_not_by_every_part_on_every_try(
         broker.close()
         with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+# -- connection faults: named, and within connect_timeout -----------------------------------------
+@pytest.mark.parametrize(
+    ("where", "words"),
+    [
+        ("postgresql://app:s3cret-pw@127.0.0.1:1/test", ["cannot reach PostgreSQL at 127.0.0.1:1/test", "refused"]),
+        ("postgresql://app:s3cret-pw@no-such-host.invalid/test", ["cannot reach PostgreSQL", "no-such-host.invalid"]),
+        ("{server}/no_such_database", ["refused the connection", 'database "no_such_database" does not exist']),
+        ("{user}no_such_role:s3cret-pw@{host}", ["refused the connection", "no_such_role"]),
+    ],
+)
+def test_connection_faults_are_named_at_once_and_never_show_the_password(
+    dramatiq_pg_url: str, where: str, words: list[str]
+) -> None:
+    import time
+
+    from dramatiq.errors import ConnectionClosed
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = conninfo_to_dict(dramatiq_pg_url)
+    host = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+    url = where.format(server=f"postgresql://{info.get('user') or ''}@{host.rsplit('/', 1)[0]}", user="postgresql://", host=host)
+    broker = PostgresBroker(url, schema="t_never", connect_timeout=5)
+    broker.declare_queue("default")
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConnectionClosed) as raised:
+            broker.enqueue(message())
+    finally:
+        broker.close()
+    took = time.monotonic() - start
+    text = str(raised.value)
+    for word in words:
+        assert word in text, text
+    assert "s3cret-pw" not in text
+    assert took < broker.database.connect_timeout, f"took {took:.1f} s"  # the old way waited twice connect_timeout
+
+
+def test_a_malformed_connection_string_is_a_value_error_at_construction() -> None:
+    with pytest.raises(ValueError, match="malformed") as raised:
+        PostgresBroker("host=db password=s3cret-pw 'unterminated")
+    assert "s3cret-pw" not in str(raised.value)
