@@ -85,7 +85,19 @@ def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, 
 
 
 def compact(database: Database, statements: Statements, *, lock_timeout: float) -> dict[str, int]:
-    """``VACUUM (FULL)`` of the message table, never queued for its lock; see :meth:`PostgresBroker.compact`."""
+    """Give back the space a drained backlog left behind; returns the table's size before and after.
+
+    Workers reuse emptied pages anyway; this returns them to the file
+    system after a one-off spike.  It runs ``VACUUM (FULL)``, which locks
+    the message table (enqueues and claims wait) for as long as copying
+    its live rows takes: milliseconds when it is nearly empty, so run it
+    then.  It never queues for the lock (every worker would wait behind
+    it): it takes the lock only when the table is free, trying again for
+    at most *lock_timeout* seconds, then fails.  No session setting is
+    involved, so nothing outlives it on a pooled connection (PgBouncer).
+    Needs the table's owner (or ``MAINTAIN`` on PostgreSQL 17+); any
+    other role gets a :class:`BrokerError` saying so.
+    """
     table = f'"{database.schema}".message'
 
     def size(conn: psycopg.Connection) -> int:

@@ -8,7 +8,6 @@ statements, the settings), and gives every consumer the same.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -20,8 +19,7 @@ from typing import Any, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.common import current_millis
-from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
@@ -40,45 +38,17 @@ from .config import (
     DEFAULT_SCHEMA,
     Settings,
 )
-from .consumer import LostClaims, PostgresConsumer
+from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
-from .errors import DeadLetterError, PayloadTooLarge
-from .fencing import StaleWrites, State, Write
+from .enqueue import Enqueuer
+from .errors import DeadLetterError
+from .fencing import State, Write
 from .hooks import SkipNoopHooks
-from .leases import LeaseKeeper, Leases
-from .maintenance import Maintenance
 from .middleware import FencedDelivery
-from .outcomes import OutcomeWriter, retry_outcome
+from .outcomes import retry_outcome
+from .parts import ProcessParts
 from .sql import check_queue, check_schema, statements
-
-#: A delivery that waited in the prefetch longer than this (seconds) reads its
-#: row before it starts: was it cancelled or redelivered meanwhile?  (A
-#: cancellation is also announced by NOTIFY, but that may arrive a moment
-#: after the delivery starts.)  Only one claimed and started within this
-#: time of each other skips the read: a cancel() cannot fall in between
-#: unless it races the claim itself.
-START_CHECK_AFTER = 0.005
-
-
-class ProcessParts:
-    """The broker's parts in one process: built on first use, and again after fork."""
-
-    def __init__(self, broker: PostgresBroker) -> None:
-        self.pid = os.getpid()
-        log, db, stmts, settings = broker.logger, broker.database, broker.statements, broker.settings
-        self.stale = StaleWrites(stmts, log)
-        self.leases = Leases()
-        self.lost_claims = LostClaims()
-        self.keeper = LeaseKeeper(self.leases, db, stmts, settings, log)
-        self.maintenance = Maintenance(self.leases, db, stmts, settings, log)
-        self.writer = OutcomeWriter(db, stmts, settings, self.leases, self.stale, log, on_dead=broker._remember_dead)
-        self.consumers = 0
-
-    def close(self) -> None:
-        self.writer.stop()
-        self.keeper.stop()
-        self.maintenance.stop()
 
 
 class PostgresBroker(SkipNoopHooks, Broker):
@@ -149,14 +119,19 @@ class PostgresBroker(SkipNoopHooks, Broker):
             prepare=listen,  # listen=False: maybe behind a transaction pooler
         )
         self.statements = statements(schema)
-        self.max_payload_bytes = max_payload_bytes
-        self.synchronous_commit = synchronous_commit
+        self.enqueuer = Enqueuer(
+            self.statements,
+            self.settings,
+            priority_of=self._priority_of,
+            max_payload_bytes=max_payload_bytes,
+            synchronous_commit=synchronous_commit,
+            logger=self.logger,
+        )
         self.consumer_id = _new_consumer_id()
         self.queues: set[str] = set()
         self._parts_lock = threading.Lock()
         self._parts: ProcessParts | None = None
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
-        self._duplicates = 0  # sends not inserted: their id exists (see enqueue)
         self._local = threading.local()  # per thread: an open batch() or transaction()
         self.add_middleware(FencedDelivery())
 
@@ -179,6 +154,24 @@ class PostgresBroker(SkipNoopHooks, Broker):
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
 
+    @property
+    def max_payload_bytes(self) -> int:
+        """Larger encoded messages are refused at enqueue (settable)."""
+        return self.enqueuer.max_payload_bytes
+
+    @max_payload_bytes.setter
+    def max_payload_bytes(self, value: int) -> None:
+        self.enqueuer.max_payload_bytes = value
+
+    @property
+    def synchronous_commit(self) -> bool:
+        """``False``: enqueues commit without waiting for the WAL flush (settable)."""
+        return self.enqueuer.synchronous_commit
+
+    @synchronous_commit.setter
+    def synchronous_commit(self, value: bool) -> None:
+        self.enqueuer.synchronous_commit = value
+
     # -- the parts of this process ----------------------------------------------
     @property
     def parts(self) -> ProcessParts:
@@ -190,7 +183,9 @@ class PostgresBroker(SkipNoopHooks, Broker):
                 if parts is None or parts.pid != os.getpid():
                     # After fork the parent's threads are not ours: start afresh.
                     self.consumer_id = _new_consumer_id()
-                    parts = self._parts = ProcessParts(self)
+                    parts = self._parts = ProcessParts(
+                        self.database, self.statements, self.settings, self.logger, on_dead=self._remember_dead
+                    )
         return parts
 
     @property
@@ -223,6 +218,10 @@ class PostgresBroker(SkipNoopHooks, Broker):
         )
         outcome.result = write
         self.parts.writer.submit(outcome)
+
+    def _priority_of(self, actor_name: str) -> int:
+        actor = self.actors.get(actor_name)
+        return actor.priority if actor is not None else 0
 
     def _remember_dead(self, message_id: str, exception: BaseException | None) -> None:
         """For ``join(fail_fast=True)``: the actor's own exception, when it failed here."""
@@ -277,36 +276,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
         return doorbell
 
     def why_not_start(self, message: PostgresMessageProxy) -> str | None:
-        """Why a delivery held in the prefetch must not start (``None``: it may).
-
-        Not if its lease was lost or its message cancelled (heard from the
-        lease keeper or a cancel notification), nor, for one that waited in
-        the prefetch, if its row is no longer running under its token (one
-        read).  A delivery that must not start is settled with nothing
-        written: the actor never runs, the row is someone else's.
-        """
-        parts = self.parts
-        held = parts.leases.held(message.message_id)
-        reason = None
-        if held is None or held.delivery != message.delivery:
-            reason = "this process no longer holds it"
-        elif parts.leases.is_lost(message.message_id):
-            reason = "it was cancelled, or its lease was lost"
-        elif time.monotonic() - message.claimed_at > START_CHECK_AFTER:
-            try:
-                row = self.database.run(
-                    lambda conn: conn.execute(
-                        self.statements.still_held, [message.message_id, message.delivery]
-                    ).fetchone()
-                )
-            except ConnectionClosed:
-                row = (1,)  # cannot tell: run it (at-least-once); its outcome is fenced either way
-            if row is None:
-                reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
-        if reason is not None:
-            message.settled = True
-            parts.leases.release(message.message_id, message.delivery)
-        return reason
+        """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
+        return self.parts.gate.why_not(message)
 
     @contextmanager
     def with_ack(self) -> Iterator[None]:
@@ -365,25 +336,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
                 "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
             )
             return False
-        try:
-            outcome = retry_outcome(message, delay, self._encode, self.logger)
-        except Exception as e:
-            self.logger.error(
-                "The retry of message %s (attempt %d) could not be built; dead-lettering it.",
-                message.message_id,
-                message.attempt,
-                exc_info=True,
-            )
-            outcome = Outcome(
-                Write.NACK,
-                message.message_id,
-                message.attempt,
-                message.delivery,
-                error=f"the retry of attempt {message.attempt} could not be built: {type(e).__name__}: {e}\n"
-                f"{message.error_text('')}",
-                queue_name=message.queue_name,
-                exception=message.exception,
-            )
+        outcome = retry_outcome(message, delay, self.enqueuer.encode, self.logger)
         if delivery.deferring() is message:
             message.decided = outcome  # handed over by Dramatiq's ack, with the other effects
         else:
@@ -448,70 +401,21 @@ class PostgresBroker(SkipNoopHooks, Broker):
         finally:
             self._local.conn = previous
 
-    def _encode(self, message: Message) -> bytes:
-        if "attempt" in message.options:
-            message = message.copy()
-            message.options.pop("attempt", None)
-        data = message.encode()
-        if len(data) > self.max_payload_bytes:
-            raise PayloadTooLarge(
-                f"message {message.message_id} for actor {message.actor_name!r} encodes to {len(data)} bytes, "
-                f"over max_payload_bytes={self.max_payload_bytes}; pass large data by reference"
-            )
-        return data
-
     def row(self, message: Message, delay: int | None) -> Row:
-        """*message* as the enqueue statement takes it.
-
-        Dramatiq's ``eta`` option (an absolute time in ms) becomes a server-side
-        delay, and leaves the stored message: a worker would otherwise hold the
-        message in memory until then and re-enqueue it under the same id.
-        """
-        check_queue(message.queue_name)
-        delay_ms = max(int(delay or 0), 0)
-        eta = message.options.get("eta")
-        if "eta" in message.options:  # (Message.copy merges options: it cannot drop one)
-            message = dataclasses.replace(message, options={k: v for k, v in message.options.items() if k != "eta"})
-            if isinstance(eta, (int, float)):
-                delay_ms = max(delay_ms, int(eta) - current_millis())
-        actor = self.actors.get(message.actor_name)
-        priority = actor.priority if actor is not None else 0
-        return (message.message_id, message.queue_name, message.actor_name, priority, delay_ms, self._encode(message))
+        """*message* as the enqueue statement takes it (see :meth:`.enqueue.Enqueuer.row`)."""
+        return self.enqueuer.row(message, delay)
 
     def _insert(self, items: list[tuple[Message, int | None]]) -> None:
         if not items:
             return
-        rows = [self.row(message, delay) for message, delay in items]
+        rows = [self.enqueuer.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
-            self._write_rows(caller_conn, rows)  # the caller's transaction decides
+            self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
             return
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
         # One statement, so autocommit makes it one round trip and one commit.
-        self.database.run(lambda conn: self._write_rows(conn, rows))
-
-    def _write_rows(self, conn: psycopg.Connection, rows: list[Row]) -> None:
-        relaxed = not self.synchronous_commit
-        if len(rows) == 1:  # a plain send(): one row of scalars is cheaper than unnest
-            statement = self.statements.enqueue_one_relaxed if relaxed else self.statements.enqueue_one
-            params: list[Any] = [*rows[0], self.channel, self.listen]
-        else:
-            statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
-            params = [*map(list, zip(*rows, strict=True)), self.channel, self.listen]
-        inserted = conn.execute(statement, params).fetchone()
-        if inserted is not None and inserted[0] < len(rows):
-            self._not_inserted(rows, len(rows) - inserted[0])
-
-    def _not_inserted(self, rows: list[Row], count: int) -> None:
-        """Sends whose id exists already are not inserted again: say so, and count them."""
-        with self._parts_lock:
-            self._duplicates += count
-        which = f"message {rows[0][0]}" if len(rows) == 1 else f"{count} of {len(rows)} messages"
-        self.logger.warning(
-            "%s not enqueued: a message with the same id is still queued, running, dead or cancelled. "
-            "Re-drive a dead or cancelled message with broker.redrive(id); send anew with a new id.",
-            which[0].upper() + which[1:],
-        )
+        self.database.run(lambda conn: self.enqueuer.write(conn, rows))
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of the queue, dead letters included."""
@@ -572,26 +476,16 @@ class PostgresBroker(SkipNoopHooks, Broker):
         return admin.inspect(self.database, self.statements, message_id)
 
     def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
-        """Give back the space a drained backlog left behind; returns the table's size before and after.
-
-        Workers reuse emptied pages anyway; this returns them to the file
-        system after a one-off spike.  It runs ``VACUUM (FULL)``, which locks
-        the message table (enqueues and claims wait) for as long as copying
-        its live rows takes: milliseconds when it is nearly empty, so run it
-        then.  It never queues for the lock (every worker would wait behind
-        it): it takes the lock only when the table is free, trying again for
-        at most *lock_timeout* seconds, then fails.  No session setting is
-        involved, so nothing outlives it on a pooled connection (PgBouncer).
-        Needs the table's owner (or ``MAINTAIN`` on PostgreSQL 17+); any
-        other role gets a :class:`BrokerError` saying so.
-        """
+        """Give back the space a drained backlog left behind (``VACUUM (FULL)``, never queued for its
+        lock for more than *lock_timeout* seconds); returns the table's size before and after.
+        Needs the table's owner.  See :func:`.admin.compact`."""
         return admin.compact(self.database, self.statements, lock_timeout=lock_timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process, totals from the database, and queue sizes."""
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
-        local["duplicate_sends"] = self._duplicates
+        local["duplicate_sends"] = self.enqueuer.duplicates
         held = len(parts.leases.snapshot()) if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)
         return {"process": {**local, "held": held}, "totals": totals, "queues": queues}

@@ -14,13 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from typing import NamedTuple
 
 import psycopg
+from dramatiq.errors import ConnectionClosed
 
 from .config import Settings
 from .database import Database
+from .delivery import PostgresMessageProxy
 from .periodic import Periodic
 from .sql import Statements
 
@@ -137,6 +140,52 @@ class Leases:
 def room(prefetch: int, held: int, settled: int) -> int:
     """Claimable now: *prefetch* unsettled at most, and fewer than twice *prefetch* held in all."""
     return min(prefetch - (held - settled), 2 * prefetch - held)
+
+
+#: A delivery that waited in the prefetch longer than this (seconds) reads its
+#: row before it starts: was it cancelled or redelivered meanwhile?  (A
+#: cancellation is also announced by NOTIFY, but that may arrive a moment
+#: after the delivery starts.)  Only one claimed and started within this
+#: time of each other skips the read: a cancel() cannot fall in between
+#: unless it races the claim itself.
+START_CHECK_AFTER = 0.005
+
+
+class StartGate:
+    """May a delivery held in the prefetch start?  (Asked by the ``FencedDelivery`` middleware.)"""
+
+    def __init__(self, leases: Leases, database: Database, statements: Statements) -> None:
+        self.leases = leases
+        self.database = database
+        self.statements = statements
+
+    def why_not(self, message: PostgresMessageProxy) -> str | None:
+        """Why *message* must not start; ``None``: it may.
+
+        Not if its lease was lost or its message cancelled (heard from the
+        lease keeper or a cancel notification), nor, for one that waited in
+        the prefetch, if its row is no longer running under its token (one
+        read).  A delivery that must not start is settled with nothing
+        written: the actor never runs, the row is someone else's.
+        """
+        held = self.leases.held(message.message_id)
+        reason = None
+        if held is None or held.delivery != message.delivery:
+            reason = "this process no longer holds it"
+        elif self.leases.is_lost(message.message_id):
+            reason = "it was cancelled, or its lease was lost"
+        elif time.monotonic() - message.claimed_at > START_CHECK_AFTER:
+            params = [message.message_id, message.delivery]
+            try:
+                row = self.database.run(lambda conn: conn.execute(self.statements.still_held, params).fetchone())
+            except ConnectionClosed:
+                row = (1,)  # cannot tell: run it (at-least-once); its outcome is fenced either way
+            if row is None:
+                reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
+        if reason is not None:
+            message.settled = True
+            self.leases.release(message.message_id, message.delivery)
+        return reason
 
 
 class LeaseKeeper(Periodic):

@@ -35,10 +35,8 @@ class FencedDelivery(Middleware):
     a delivery's effects to its outcome.  Installed by :class:`PostgresBroker`."""
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
-        from .rate_limits import FencedGroupCallbacks
-
         for m in broker.middleware:
-            if isinstance(m, GroupCallbacks) and not isinstance(m, FencedGroupCallbacks):
+            if isinstance(m, GroupCallbacks) and not getattr(m, "counts_with_the_ack", False):
                 broker.logger.warning(
                     "%s counts group members down before their ack: a redelivered member counts twice. "
                     "Use dramatiq_pg_fenced.rate_limits.FencedGroupCallbacks (results.setup() does).",

@@ -49,7 +49,32 @@ def retry_outcome(
     message: PostgresMessageProxy, delay: int | None, encode: Callable[[Message], bytes], logger: logging.Logger
 ) -> Outcome:
     """The outcome of Dramatiq's Retries re-enqueueing *message*: back to the
-    queue with its new options, or dead-lettered if it can no longer be stored."""
+    queue with its new options, or dead-lettered if it can no longer be stored
+    or cannot be built at all (the encoder raises): never left held."""
+    try:
+        return _retry_outcome(message, delay, encode, logger)
+    except Exception as e:
+        logger.error(
+            "The retry of message %s (attempt %d) could not be built; dead-lettering it.",
+            message.message_id,
+            message.attempt,
+            exc_info=True,
+        )
+        return Outcome(
+            Write.NACK,
+            message.message_id,
+            message.attempt,
+            message.delivery,
+            error=f"the retry of attempt {message.attempt} could not be built: {type(e).__name__}: {e}\n"
+            f"{message.error_text('')}",
+            queue_name=message.queue_name,
+            exception=message.exception,
+        )
+
+
+def _retry_outcome(
+    message: PostgresMessageProxy, delay: int | None, encode: Callable[[Message], bytes], logger: logging.Logger
+) -> Outcome:
     error = message.error_text()
     try:
         payload = encode(message.message)

@@ -226,6 +226,8 @@ class FencedGroupCallbacks(GroupCallbacks):
     handled as Dramatiq does.
     """
 
+    counts_with_the_ack = True  #: what ``FencedDelivery`` looks for at worker boot
+
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None, exception: Any = None) -> None:
         if exception is None and isinstance(message, PostgresMessageProxy) and self._shares(broker):
             key = message.options.get("group_completion_uuid")
