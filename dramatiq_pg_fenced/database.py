@@ -27,7 +27,7 @@ from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
 from .errors import SchemaError, describe_failure, lost_connection
-from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, server_for
+from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, server_for
 
 T = TypeVar("T")
 
@@ -93,6 +93,7 @@ class _ProcessLocal:
         self.owns_pool = owns_pool
         self.schema_checked = False
         self.doorbells: dict[str, Doorbell] = {}
+        self.server: Server | None = None  # what this process knows of reaching the server (reconnect.py)
 
     def close(self) -> None:
         for doorbell in self.doorbells.values():
@@ -246,7 +247,9 @@ class Database:
             with local.pool.connection(timeout=timeout) as conn:
                 yield conn
             return
-        server = server_for(self.conninfo)
+        server = local.server
+        if server is None:
+            server = local.server = server_for(self.conninfo)
         start = time.monotonic()
         deadline = start + (self.connect_timeout if timeout is None else timeout)
         while True:
