@@ -25,10 +25,11 @@ from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
 from . import admin
-from .admin import CancelOutcome
+from .admin import CancelOutcome, Page, Redriven
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
+    DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_POLL_INTERVAL,
@@ -60,7 +61,9 @@ class ProcessParts:
         self.lost_claims = LostClaims()
         self.keeper = LeaseKeeper(self.leases, db, stmts, settings, log)
         self.maintenance = Maintenance(self.leases, db, stmts, settings, log)
-        self.writer = OutcomeWriter(db, stmts, settings, self.leases, self.stale, log, on_dead=broker._remember_dead)
+        self.writer = OutcomeWriter(
+            db, stmts, settings, self.leases, self.stale, log, on_dead=broker._remember_dead, writer=broker.consumer_id
+        )
         self.consumers = 0
 
     def close(self) -> None:
@@ -84,6 +87,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
       listen: ``False`` turns LISTEN/NOTIFY off (PgBouncer transaction pooling).
       max_payload_bytes: larger encoded messages are refused at enqueue.
       dead_message_ttl: seconds dead letters and cancellations are kept.
+      keep_finished: seconds acked messages are kept in the history table,
+        for ``inspect`` and the dashboard (0: none kept).
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
         (faster; a database crash may lose the last few enqueued messages).
     """
@@ -101,6 +106,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
         listen: bool = True,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL,
+        keep_finished: int = DEFAULT_KEEP_FINISHED,
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         synchronous_commit: bool = True,
@@ -108,6 +114,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
             raise ValueError("lease_seconds, poll_interval and rescue_interval must be positive")
+        if keep_finished < 0 or dead_message_ttl < 0:
+            raise ValueError("keep_finished and dead_message_ttl must not be negative")
         super().__init__(middleware=middleware)
         self.logger = get_logger(__name__, type(self))
         self.settings = Settings(
@@ -117,6 +125,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
             rescue_interval=float(rescue_interval),
             listen=listen,
             dead_message_ttl=dead_message_ttl,
+            keep_finished=int(keep_finished),
         )
         self.database = Database(
             url, pool=pool, schema=schema, connect_timeout=connect_timeout, pool_max_size=pool_max_size
@@ -140,6 +149,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
     poll_interval = property(lambda self: self.settings.poll_interval)
     rescue_interval = property(lambda self: self.settings.rescue_interval)
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
+    keep_finished = property(lambda self: self.settings.keep_finished)
 
     # -- the parts of this process ----------------------------------------------
     @property
@@ -408,6 +418,48 @@ class PostgresBroker(SkipNoopHooks, Broker):
     def inspect(self, message_id: str) -> dict[str, Any] | None:
         """What operators need to understand a message; ``None`` if unknown."""
         return admin.inspect(self.database, self.statements, message_id)
+
+    def redrive(self, message_id: str) -> bool:
+        """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
+
+        Returns whether it went back (``False``: unknown, or not dead or
+        cancelled).  Fenced on the state and attempt it had when read.
+        """
+        return bool(admin.redrive(self.database, self.statements, [message_id], self._ring).redriven)
+
+    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
+        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
+        return admin.redrive_queue(self.database, self.statements, queue_name, states, self._ring)
+
+    def purge_queue(
+        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
+    ) -> dict[str, int]:
+        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
+        return admin.purge_queue(self.database, self.statements, queue_name, states)
+
+    def pause(self, queue_name: str) -> bool:
+        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
+        return admin.pause(self.database, self.statements, queue_name)
+
+    def resume(self, queue_name: str) -> bool:
+        """Undo :meth:`pause`; consumers are woken at once."""
+        return admin.resume(self.database, self.statements, queue_name, self._ring)
+
+    def list_messages(
+        self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
+    ) -> Page:
+        """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
+        return admin.list_messages(
+            self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit
+        )
+
+    def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
+        """Per queue: the operator's figures (see :func:`.admin.overview`)."""
+        return admin.overview(self.database, self.statements, cap=cap)
+
+    @property
+    def _ring(self) -> str | None:
+        return self.channel if self.listen else None
 
     def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
         """Give back the space a drained backlog left behind; returns the table's size before and after.

@@ -11,6 +11,10 @@ DEFAULT_POLL_INTERVAL = 1.0
 DEFAULT_RESCUE_INTERVAL = 1.0
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
+#: Seconds acked messages stay in the history table (0: none kept).  One hour
+#: answers "what happened to message X" through an incident and is bounded on
+#: disk; the README's "Operating it" gives the measured cost per message.
+DEFAULT_KEEP_FINISHED = 3600
 DEFAULT_POOL_MAX_SIZE = 8
 DEFAULT_CONNECT_TIMEOUT = 5
 #: The results and rate-limit backends: their own pools are smaller.
@@ -30,6 +34,7 @@ class Settings:
     rescue_interval: float = DEFAULT_RESCUE_INTERVAL
     listen: bool = True
     dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL
+    keep_finished: int = DEFAULT_KEEP_FINISHED
 
     @property
     def channel(self) -> str:

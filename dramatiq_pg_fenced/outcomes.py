@@ -95,6 +95,7 @@ class OutcomeWriter:
         stale: StaleWrites,
         logger: logging.Logger,
         on_dead: Callable[[str, BaseException | None], None],
+        writer: str = "",
     ) -> None:
         self.database = database
         self.statements = statements
@@ -103,6 +104,7 @@ class OutcomeWriter:
         self.stale = stale
         self.logger = logger
         self.on_dead = on_dead
+        self.writer = writer  #: this process, in the outcome tallies (see sql.py)
         self._pending: list[Outcome] = []
         self._cond = threading.Condition()
         self._busy = False
@@ -184,13 +186,17 @@ class OutcomeWriter:
         with self.database.connection(raw=True) as conn, conn.transaction():
             applied: set[str] = set()
             if acks := by_kind[Write.ACK]:
-                rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.attempt for o in acks]]).fetchall()
+                ack = stmts.ack_keep if self.settings.keep_finished > 0 else stmts.ack
+                params = {"ids": [o.message_id for o in acks], "attempts": [o.attempt for o in acks]}
+                rows = conn.execute(ack, {**params, "writer": self.writer}).fetchall()
                 applied.update(str(r[0]) for r in rows)
             if nacks := by_kind[Write.NACK]:
-                rows = conn.execute(
-                    stmts.nack,
-                    [[o.message_id for o in nacks], [o.attempt for o in nacks], [o.error for o in nacks]],
-                ).fetchall()
+                params = {
+                    "ids": [o.message_id for o in nacks],
+                    "attempts": [o.attempt for o in nacks],
+                    "errors": [o.error for o in nacks],
+                }
+                rows = conn.execute(stmts.nack, {**params, "writer": self.writer}).fetchall()
                 applied.update(str(r[0]) for r in rows)
             if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
