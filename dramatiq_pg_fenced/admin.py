@@ -89,9 +89,7 @@ def inspect(database: Database, statements: Statements, message_id: str) -> dict
     if row is None and not finished:
         return None
     info = _described(row if row is not None else finished[0])
-    info["history"] = [
-        {k: v for k, v in _described(r, decode=False).items() if k in _HISTORY_KEYS} for r in finished
-    ]
+    info["history"] = [{k: v for k, v in _described(r, decode=False).items() if k in _HISTORY_KEYS} for r in finished]
     return info
 
 

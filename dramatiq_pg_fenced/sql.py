@@ -489,7 +489,7 @@ _TEMPLATES.update(
         # of the last row shown; the first page starts from a sentinel.
         "list_queued": """
             SELECT message_id, actor_name, state, attempt, priority, enqueued_at, available_at, finished_at,
-                   consumer_id, left(last_error, 300), seq
+                   consumer_id, right(last_error, 300), seq
               FROM {schema}.message
              WHERE queue_name = %(queue)s AND state = 'queued'
                AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
@@ -498,7 +498,7 @@ _TEMPLATES.update(
         """,
         "list_running": """
             SELECT message_id, actor_name, state, attempt, priority, enqueued_at, lease_expires_at, finished_at,
-                   consumer_id, left(last_error, 300), seq
+                   consumer_id, right(last_error, 300), seq
               FROM {schema}.message
              WHERE queue_name = %(queue)s AND state = 'running'
                AND (%(actor)s::text IS NULL OR actor_name = %(actor)s) AND seq < %(seq)s
@@ -506,7 +506,7 @@ _TEMPLATES.update(
         """,
         "list_done": """
             SELECT message_id, actor_name, 'done', attempt, priority, enqueued_at, claimed_at, finished_at,
-                   consumer_id, left(last_error, 300), seq
+                   consumer_id, right(last_error, 300), seq
               FROM {schema}.history
              WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
                AND (finished_at, seq) < (%(at)s::timestamptz, %(seq)s)
@@ -518,7 +518,7 @@ _TEMPLATES.update(
 for _state in FINISHED_STATES:
     _TEMPLATES[f"list_{_state}"] = f"""
         SELECT message_id, actor_name, state, attempt, priority, enqueued_at, available_at, finished_at,
-               consumer_id, left(last_error, 300), seq
+               consumer_id, right(last_error, 300), seq
           FROM {{schema}}.message
          WHERE queue_name = %(queue)s AND state = '{_state}'
            AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
