@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import statistics
 import time
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 import dramatiq
 import psycopg
@@ -39,6 +41,7 @@ def render(app: Any, path: str) -> float:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--queued", type=int, default=1_000_000)
@@ -53,7 +56,7 @@ def main() -> None:
             started = time.perf_counter()
             insert = sql.SQL(
                 "INSERT INTO {}.message (message_id, queue_name, actor_name, priority, state, available_at,"
-                " finished_at, payload) SELECT gen_random_uuid(), %s, 'noop', g % 3, %s,"
+                " finished_at, payload) SELECT gen_random_uuid(), %s, 'noop', g %% 3, %s,"
                 " now() + %s * interval '1 s' - g * interval '1 ms', CASE WHEN %s = 'queued' THEN NULL ELSE now() END,"
                 " %s FROM generate_series(1, %s) AS g"
             ).format(ident)
@@ -81,8 +84,9 @@ def main() -> None:
         pages = {
             "queues": "/",
             "messages, queued (first page)": "/messages?queue=big&state=queued",
-            "messages, queued (next page)": f"/messages?queue=big&state=queued&after={first.next}",
+            "messages, queued (next page)": f"/messages?queue=big&state=queued&after={quote(first.next or '')}",
             "messages, queued, actor filter": "/messages?queue=big&state=queued&actor=noop",
+            "messages, queued, actor matching none": "/messages?queue=big&state=queued&actor=nobody",
             "messages, dead": "/messages?queue=big&state=dead",
             "messages, done (history)": "/messages?queue=small&state=done",
             "one message (dead)": f"/message/{one[0]}" if one else "/",
@@ -92,7 +96,7 @@ def main() -> None:
         print(f"{args.queued:,} due + {args.queued // 10:,} delayed rows in one queue; median of 5 (ms):")
         for name, path in pages.items():
             times = [render(app, path) for _ in range(5)]
-            print(f"  {name:32s} {statistics.median(times):8.1f}")
+            print(f"  {name:40s} {statistics.median(times):8.1f}")
     finally:
         broker.close()
         with psycopg.connect(args.url, autocommit=True) as conn:

@@ -11,7 +11,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterable
 from contextlib import suppress
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
@@ -264,12 +264,21 @@ _FIRST = {
 }
 
 
+#: Rows a filtered page reads at most before it stops (its "next" goes on from there).
+FILTER_WINDOW = 5000
+
+
 @dataclasses.dataclass
 class Page:
-    """One page of a message list, and the cursor of the next (``None``: no more)."""
+    """One page of a message list, and the cursor of the next (``None``: no more).
+
+    ``searched``: the filter was tried on that many rows without filling the
+    page; more may match after them (``next`` goes on from the last).
+    """
 
     rows: list[dict[str, Any]]
     next: str | None
+    searched: int | None = None
 
 
 def list_messages(
@@ -285,39 +294,58 @@ def list_messages(
     """A page of a queue's messages in one state: queued ones in claim order
     (next first), running ones newest first, finished ones (dead, cancelled,
     done) most recently finished first.  Keyset pagination: *after* is the
-    previous page's ``next``."""
+    previous page's ``next``.  With *actor*, at most :data:`FILTER_WINDOW`
+    rows are read per page."""
     check_queue(queue_name)
     if state not in LISTABLE:
         raise ValueError(f"cannot list state {state!r}: one of {', '.join(LISTABLE)}")
+    if not 1 <= limit <= 1000:
+        raise ValueError("limit must be between 1 and 1000")
     cursor = _FIRST[state] if not after else tuple(after.split("|"))
     if len(cursor) != len(_FIRST[state]):
         raise ValueError(f"bad cursor {after!r}")
-    params: dict[str, Any] = {"queue": queue_name, "actor": actor or None, "limit": limit + 1}
-    if state == "queued":
-        params.update(priority=int(cursor[0]), at=cursor[1], seq=int(cursor[2]))
-    elif state == "running":
-        params.update(seq=int(cursor[0]))
-    else:
-        params.update(at=cursor[0], seq=int(cursor[1]))
+    scan = max(FILTER_WINDOW, limit + 1) if actor else limit + 1
+    params: dict[str, Any] = {"queue": queue_name, "actor": actor or None, "limit": limit + 1, "scan": scan}
+    try:
+        if state == "queued":
+            params.update(priority=int(cursor[0]), at=cursor[1], seq=int(cursor[2]))
+        elif state == "running":
+            params.update(seq=int(cursor[0]))
+        else:
+            params.update(at=cursor[0], seq=int(cursor[1]))
+    except ValueError:
+        raise ValueError(f"bad cursor {after!r}") from None
     statement = getattr(statements, f"list_{state}")
     rows = database.run(lambda conn: conn.execute(statement, params).fetchall())
-    more = len(rows) > limit
-    rows = rows[:limit]
+    edge = rows.pop() if rows and rows[-1][-2] else None
+    following: tuple | None = None
+    searched = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        following = rows[-1]
+    elif edge is not None and edge[-1] >= scan and actor:
+        following, searched = edge, int(edge[-1])
     page = []
     for row in rows:
-        item = dict(zip(_LIST_COLUMNS, row[:-1], strict=True))
+        item = dict(zip(_LIST_COLUMNS, row[:-3], strict=True))
         item["message_id"] = str(item["message_id"])
         page.append(item)
-    following = None
-    if more and rows:
-        last = rows[-1]
-        if state == "queued":
-            following = f"{last[4]}|{last[6].isoformat()}|{last[-1]}"
-        elif state == "running":
-            following = str(last[-1])
-        else:
-            following = f"{last[7].isoformat()}|{last[-1]}"
-    return Page(page, following)
+    return Page(page, _cursor(state, following) if following else None, searched)
+
+
+def _cursor(state: str, row: tuple) -> str:
+    """The sort key of *row* (columns as the list statements return them)."""
+    seq = row[10]
+    if state == "queued":
+        return f"{row[4]}|{_stamp(row[6])}|{seq}"
+    if state == "running":
+        return str(seq)
+    return f"{_stamp(row[7])}|{seq}"
+
+
+def _stamp(value: datetime) -> str:
+    """A cursor's timestamp: UTC, microseconds, no '+' (safe in a URL as it is)."""
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # -- counting ----------------------------------------------------------------------
@@ -332,7 +360,12 @@ def overview(database: Database, statements: Statements, *, cap: int | None = No
     tell them apart), expired leases, dead, cancelled, outcomes of the last
     minute and hour, age of the oldest due message, paused since.  Counts stop at
     *cap* (``None``: exact)."""
-    rows = database.run(lambda conn: conn.execute(statements.overview, {"cap": cap}).fetchall())
+
+    def read(conn: psycopg.Connection) -> list[Any]:
+        conn.execute(statements.no_jit)
+        return conn.execute(statements.overview, {"cap": cap}).fetchall()
+
+    rows = database.run(read, transaction=True)
     return [dict(zip(_OVERVIEW_COLUMNS, row, strict=True)) for row in rows]
 
 

@@ -191,6 +191,8 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
             _print_json({"messages": page.rows, "next": page.next})
         else:
             print(list_table(page.rows))
+            if page.searched:
+                print(f"searched {page.searched} messages for this actor; more may follow")
             if page.next:
                 print(f"more: --after '{page.next}'")
         return OK

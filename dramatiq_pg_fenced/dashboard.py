@@ -13,8 +13,9 @@ not be framed.  Nothing of the connection string is ever rendered: the pages
 name the schema only.
 
 Budget: every page runs a fixed number of indexed statements that stop early
-(counts capped at :data:`COUNT_CAP`, pages of :data:`PAGE_SIZE` rows by keyset);
-none scans the message table.  Mount it in any WSGI server
+(counts capped at :data:`COUNT_CAP` per priority, pages of :data:`PAGE_SIZE`
+rows by keyset, an actor filter reads at most :data:`.admin.FILTER_WINDOW`
+rows per page); none scans the message table.  Mount it in any WSGI server
 (``gunicorn 'myapp:dashboard'``), or serve it with ``dramatiq-pg-fenced dashboard``.
 """
 
@@ -295,6 +296,10 @@ class Dashboard:
         }.get(state, "most recently finished first")
         body = form + f"<p class=note>{_e(queue)}, {_e(state)}: {order}.</p>"
         body += _table(heads, rows, cls="messages") if rows else "<p id=empty>No messages.</p>"
+        if page.searched:
+            body += (
+                f"<p class=note id=searched>Searched {page.searched:,} messages for this actor; more may follow.</p>"
+            )
         if page.next:
             body += f'<p><a id=next href="{_link("/messages", queue=queue, state=state, actor=actor, after=page.next)}">Next page</a></p>'
         return self.layout("Messages", _note(query) + body)

@@ -228,7 +228,7 @@ def test_a_closed_pipe_is_quiet(dramatiq_pg_url, dramatiq_pg_broker):
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", dramatiq_pg_url, "--schema", broker.schema,
-         "list", "--queue", "many", "--state", "queued", "--limit", "2000"],
+         "list", "--queue", "many", "--state", "queued", "--limit", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout.readline().split()[0] == b"message_id"

@@ -220,3 +220,23 @@ def test_the_overview_counts_what_operators_ask_for(dramatiq_pg_broker: Postgres
     assert q["paused_since"] is None
     (capped,) = broker.queue_overview(cap=2)
     assert capped["due"] == 2
+
+
+def test_an_actor_filter_reads_a_bounded_window_per_page(
+    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dramatiq_pg_fenced import admin
+
+    monkeypatch.setattr(admin, "FILTER_WINDOW", 10)
+    broker = dramatiq_pg_broker
+    broker.declare_queue("w")
+    messages = [message("w", actor="common") for _ in range(25)] + [message("w", actor="rare")]
+    broker.enqueue_many(messages)
+    # Given the only match past the first two windows, pages come back empty but say how far they looked
+    first = broker.list_messages("w", "queued", actor="rare", limit=5)
+    assert first.rows == [] and first.searched == 10 and first.next
+    second = broker.list_messages("w", "queued", actor="rare", limit=5, after=first.next)
+    assert second.rows == [] and second.searched == 10
+    third = broker.list_messages("w", "queued", actor="rare", limit=5, after=second.next)
+    assert [r["message_id"] for r in third.rows] == [messages[-1].message_id]
+    assert third.next is None and third.searched is None
