@@ -235,7 +235,7 @@ class Dashboard:
             ]
             rows.append(cells)
         table = _table(heads, rows, cls="queues") if rows else "<p>No messages in any queue.</p>"
-        note = f"<p class=note>Counts stop at {COUNT_CAP:,}. Running includes prefetched messages.</p>"
+        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Running includes prefetched messages.</p>"
         return self.layout("Queues", _note(query) + table + note)
 
     def messages_page(self, query: dict[str, str]) -> str:
@@ -282,9 +282,9 @@ class Dashboard:
                 _e(r["state"]),
                 str(r["attempt"]),
                 str(r["priority"]),
-                _time(r["enqueued_at"]),
-                _time(r["at"]),
-                _time(r["finished_at"]),
+                _time(r["enqueued_at"], short=True),
+                _time(r["at"], short=True),
+                _time(r["finished_at"], short=True),
                 _e(r["lease_holder"] or ""),
                 f"<span class=err>{_e((r['last_error'] or '').strip().splitlines()[-1:][0] if r['last_error'] else '')}</span>",
             ]
@@ -294,7 +294,7 @@ class Dashboard:
             "queued": "next to run first",
             "running": "newest first",
         }.get(state, "most recently finished first")
-        body = form + f"<p class=note>{_e(queue)}, {_e(state)}: {order}.</p>"
+        body = form + f"<p class=note>{_e(queue)}, {_e(state)}: {order}; times in UTC.</p>"
         body += _table(heads, rows, cls="messages") if rows else "<p id=empty>No messages.</p>"
         if page.searched:
             body += (
@@ -376,6 +376,8 @@ pre.err{white-space:pre-wrap}.note{color:#5b6476}.error{color:#b42318;font-weigh
 .flash{background:#e7f5ec;border-left:4px solid #2f9e5b;padding:.4em .8em}
 form.inline{display:inline-block;margin:0 .3em .2em 0}.filters{margin-bottom:1em}
 button{cursor:pointer}a.mid{font-family:ui-monospace,monospace;font-size:.92em}
+a.mid,time{white-space:nowrap}table.messages{font-size:13px}table.messages td,table.messages th{padding:.35em .5em}
+.err{overflow-wrap:anywhere}
 """
 
 
@@ -410,10 +412,15 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _time(value: datetime | None) -> str:
+def _time(value: datetime | None, short: bool = False) -> str:
+    """A time in UTC; *short* (in lists) without the year, the full time as its tooltip."""
     if value is None:
         return ""
-    return _e(value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+    utc = value.astimezone(timezone.utc)
+    full = utc.strftime("%Y-%m-%d %H:%M:%S UTC")
+    if not short:
+        return _e(full)
+    return f'<time title="{_e(full)}">{_e(utc.strftime("%m-%d %H:%M:%S"))}</time>'
 
 
 def _json(value: Any) -> str:
