@@ -240,3 +240,21 @@ def test_an_actor_filter_reads_a_bounded_window_per_page(
     third = broker.list_messages("w", "queued", actor="rare", limit=5, after=second.next)
     assert [r["message_id"] for r in third.rows] == [messages[-1].message_id]
     assert third.next is None and third.searched is None
+
+
+def test_a_rescued_lease_counts_as_a_redelivery(dramatiq_pg_broker: PostgresBroker) -> None:
+    from dramatiq_pg_fenced import admin
+
+    broker = dramatiq_pg_broker
+    broker.declare_queue("r")
+    m = message("r")
+    broker.enqueue(m)
+    query(
+        broker,
+        "UPDATE {schema}.message SET state = 'running', attempt = 1, lease_expires_at = now() - interval '1 s'"
+        " WHERE message_id = %s",
+        [m.message_id],
+    )
+    assert broker.parts.maintenance.rescue() == 1
+    assert admin.counters(broker.database, broker.statements)["redeliveries"] == 1
+    assert broker.inspect(m.message_id)["state"] == "queued"
