@@ -330,10 +330,10 @@ def list_messages(
         item = dict(zip(_LIST_COLUMNS, row[:-3], strict=True))
         item["message_id"] = str(item["message_id"])
         page.append(item)
-    return Page(page, _cursor(state, following) if following else None, searched)
+    return Page(page, page_cursor(state, following) if following else None, searched)
 
 
-def _cursor(state: str, row: tuple) -> str:
+def page_cursor(state: str, row: tuple) -> str:
     """The sort key of *row* (columns as the list statements return them)."""
     seq = row[10]
     if state == "queued":

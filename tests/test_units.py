@@ -154,10 +154,13 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
 def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
     from datetime import datetime, timedelta, timezone
 
-    from dramatiq_pg_fenced.admin import _cursor
+    from dramatiq_pg_fenced.admin import list_messages, page_cursor
 
     at = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone(timedelta(hours=2)))
     row = ("id", "a", "queued", 1, -3, at, at, at, None, None, 42)
-    assert _cursor("queued", row) == "-3|2026-01-02T01:04:05.006789Z|42"
-    assert _cursor("dead", row) == "2026-01-02T01:04:05.006789Z|42"
-    assert _cursor("running", row) == "42"
+    assert page_cursor("queued", row) == "-3|2026-01-02T01:04:05.006789Z|42"
+    assert page_cursor("dead", row) == "2026-01-02T01:04:05.006789Z|42"
+    assert page_cursor("running", row) == "42"
+    for bad in ("nope", "a|b|c", "1|2026-01-02T01:04:05Z"):  # refused before any query
+        with pytest.raises(ValueError, match="bad cursor"):
+            list_messages(None, statements("s"), "q", "queued", after=bad)  # type: ignore[arg-type]
