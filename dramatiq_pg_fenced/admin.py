@@ -351,15 +351,15 @@ def _stamp(value: datetime) -> str:
 # -- counting ----------------------------------------------------------------------
 _OVERVIEW_COLUMNS = (
     "queue", "due", "delayed", "running", "expired_leases", "dead", "cancelled", "done_last_minute",
-    "done_last_hour", "dead_last_hour", "oldest_due_seconds", "paused_since",
+    "done_last_hour", "dead_last_hour", "stale_writes", "oldest_due_seconds", "paused_since",
 )  # fmt: skip
 
 
 def overview(database: Database, statements: Statements, *, cap: int | None = None) -> list[dict[str, Any]]:
     """Per queue: due, delayed, running (prefetched included: the database cannot
     tell them apart), expired leases, dead, cancelled, outcomes of the last
-    minute and hour, age of the oldest due message, paused since.  Counts stop at
-    *cap* (``None``: exact)."""
+    minute and hour, stale writes (ever), age of the oldest due message,
+    paused since.  Counts stop at *cap* per priority (``None``: exact)."""
 
     def read(conn: psycopg.Connection) -> list[Any]:
         conn.execute(statements.no_jit)
@@ -370,8 +370,9 @@ def overview(database: Database, statements: Statements, *, cap: int | None = No
 
 
 def counters(database: Database, statements: Statements) -> dict[str, int]:
-    """Database-wide counters: stale writes, redeliveries."""
-    return dict(database.run(lambda conn: conn.execute(statements.counters).fetchall()))
+    """Database-wide counters: stale writes, redeliveries (per-queue counts are in :func:`overview`)."""
+    rows = database.run(lambda conn: conn.execute(statements.counters).fetchall())
+    return {name: value for name, value in rows if ":" not in name}
 
 
 def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

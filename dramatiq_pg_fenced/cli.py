@@ -275,7 +275,7 @@ _STATS_HEADS = (
     ("queue", "queue"), ("paused", "paused_since"), ("due", "due"), ("delayed", "delayed"),
     ("running", "running"), ("expired", "expired_leases"), ("dead", "dead"), ("cancelled", "cancelled"),
     ("done/1m", "done_last_minute"), ("done/1h", "done_last_hour"), ("dead/1h", "dead_last_hour"),
-    ("oldest due", "oldest_due_seconds"),
+    ("stale", "stale_writes"), ("oldest due", "oldest_due_seconds"),
 )  # fmt: skip
 
 

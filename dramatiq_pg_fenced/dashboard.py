@@ -200,7 +200,7 @@ class Dashboard:
     def queues_page(self, query: dict[str, str]) -> str:
         queues = admin.overview(self.database, self.statements, cap=COUNT_CAP + 1)
         heads = ["queue", "due", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
-                 "done 1 h", "dead 1 h", "oldest due", ""]  # fmt: skip
+                 "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
         rows = []
         for q in queues:
             name = q["queue"]
@@ -230,6 +230,7 @@ class Dashboard:
                 _count(q["done_last_minute"]),
                 f'<a href="{_link("/messages", queue=name, state="done")}">{_count(q["done_last_hour"])}</a>',
                 _count(q["dead_last_hour"]),
+                _count(q["stale_writes"]),
                 _age(q["oldest_due_seconds"]),
                 actions,
             ]

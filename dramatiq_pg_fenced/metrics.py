@@ -21,7 +21,8 @@ name                                   type     meaning (labels)
 ``dramatiq_pg_done_last_hour``         gauge    messages acked in the last hour (``queue``)
 ``dramatiq_pg_dead_last_hour``         gauge    messages dead-lettered in the last hour (``queue``)
 ``dramatiq_pg_redeliveries_total``     counter  expired leases put back for redelivery
-``dramatiq_pg_stale_writes_total``     counter  fenced-out writes of stale deliveries
+``dramatiq_pg_stale_writes_total``     counter  fenced-out writes of stale deliveries (``queue``;
+                                                ``""``: queue not known or not listed)
 =====================================  =======  ==========================================
 
 Counts are exact (each scrape reads the claim index of every queue); the
@@ -103,8 +104,13 @@ def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator
     yield from (messages, oldest, expired, paused, done_1m, done_1h, dead_1h)
     redeliveries = CounterMetricFamily("dramatiq_pg_redeliveries", "Expired leases put back for redelivery")
     redeliveries.add_metric([], counters.get("redeliveries", 0))
-    stale = CounterMetricFamily("dramatiq_pg_stale_writes", "Fenced-out writes of stale deliveries")
-    stale.add_metric([], counters.get("stale_writes", 0))
+    stale = CounterMetricFamily("dramatiq_pg_stale_writes", "Fenced-out writes of stale deliveries", labels=["queue"])
+    known = 0
+    for q in queues:
+        stale.add_metric([q["queue"]], q["stale_writes"])
+        known += q["stale_writes"]
+    # Writes whose queue was not known (result writes) or whose queue has no rows left.
+    stale.add_metric([""], max(counters.get("stale_writes", 0) - known, 0))
     yield from (redeliveries, stale)
 
 

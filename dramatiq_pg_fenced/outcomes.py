@@ -220,7 +220,8 @@ class OutcomeWriter:
             ]
             if any(o.result is not None for o in batch):
                 misses += self._write_results(conn, by_kind, applied)
-            self.stale.report(conn, misses, retried=self._retried)
+            queues = {o.message_id: o.queue_name for o in batch if o.queue_name}
+            self.stale.report(conn, misses, retried=self._retried, queues=queues)
         for outcome in batch:
             if outcome.kind is Write.NACK and outcome.message_id in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
@@ -268,7 +269,9 @@ class OutcomeWriter:
             rows = conn.execute(self.statements.requeue, [ids, attempts]).fetchall()
             released = {str(r[0]) for r in rows}
             self.stale.report(
-                conn, [(Write.REQUEUE, p.message_id, p.attempt) for p in proxies if p.message_id not in released]
+                conn,
+                [(Write.REQUEUE, p.message_id, p.attempt) for p in proxies if p.message_id not in released],
+                queues={p.message_id: p.queue_name for p in proxies},
             )
             if released and self.settings.listen:
                 conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])

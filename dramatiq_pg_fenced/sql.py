@@ -153,8 +153,10 @@ _TEMPLATES = {
     "current": """
         SELECT message_id, state, attempt FROM {schema}.message WHERE message_id = ANY(%s::uuid[])
     """,
+    # Counter names: "stale_writes" (all), "stale_writes:<queue>" (per queue, when known).
     "count_stale": """
-        INSERT INTO {schema}.counter (name, value) VALUES ('stale_writes', %s)
+        INSERT INTO {schema}.counter (name, value)
+        SELECT name, sum(n) FROM unnest(%s::text[], %s::bigint[]) AS c(name, n) GROUP BY name ORDER BY name
         ON CONFLICT (name) DO UPDATE SET value = counter.value + EXCLUDED.value
     """,
     "counters": "SELECT name, value FROM {schema}.counter",
@@ -429,12 +431,14 @@ _TEMPLATES.update(
                    coalesce(t.done_1m, 0) AS done_last_minute,
                    coalesce(t.done_1h, 0) AS done_last_hour,
                    coalesce(t.dead_1h, 0) AS dead_last_hour,
+                   coalesce(sc.value, 0) AS stale_writes,
                    extract(epoch FROM now() - depth.oldest)::float8 AS oldest_due_seconds,
                    p.paused_at
               FROM q
               LEFT JOIN running AS r ON r.queue_name = q.name
               LEFT JOIN recent AS t ON t.queue_name = q.name
               LEFT JOIN {{schema}}.paused_queue AS p ON p.queue_name = q.name
+              LEFT JOIN {{schema}}.counter AS sc ON sc.name = 'stale_writes:' || q.name
               LEFT JOIN LATERAL (
                   WITH RECURSIVE pr(p) AS (
                       (SELECT priority FROM {{schema}}.message

@@ -258,3 +258,23 @@ def test_a_rescued_lease_counts_as_a_redelivery(dramatiq_pg_broker: PostgresBrok
     assert broker.parts.maintenance.rescue() == 1
     assert admin.counters(broker.database, broker.statements)["redeliveries"] == 1
     assert broker.inspect(m.message_id)["state"] == "queued"
+
+
+def test_stale_writes_are_counted_per_queue(dramatiq_pg_broker: PostgresBroker) -> None:
+    from dramatiq_pg_fenced import admin
+
+    broker = dramatiq_pg_broker
+    broker.declare_queue("s")
+    broker.enqueue(message("s"))
+    consumer = broker.consume("s", prefetch=1, timeout=1000)
+    try:
+        delivery = wait_for(lambda: next(consumer), 10, "the claim")
+        # Given the message was redelivered meanwhile (attempt 2 holds it)
+        query(broker, "UPDATE {schema}.message SET attempt = 2 WHERE message_id = %s", [delivery.message_id])
+        consumer.ack(delivery)  # attempt 1's ack is fenced out
+        assert broker.flush_outcomes(10)
+    finally:
+        consumer.close()
+    (q,) = broker.queue_overview()
+    assert q["queue"] == "s" and q["stale_writes"] == 1
+    assert admin.counters(broker.database, broker.statements)["stale_writes"] == 1
