@@ -21,6 +21,7 @@ rows per page); none scans the message table.  Mount it in any WSGI server
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import html
 import json
@@ -75,6 +76,10 @@ class Dashboard:
       actions: allow cancel, re-drive, pause/resume and purge (off: read-only).
       ring: NOTIFY workers when a re-drive or resume makes messages due
         (default: as the broker's ``listen``).
+      secret: derive the forms' token from it, so every process of a
+        multi-process server (gunicorn workers, replicas) accepts the others'
+        forms; ``None``: a random token made when the app is built (one process,
+        or an app built before the server forks).
     """
 
     def __init__(
@@ -85,13 +90,19 @@ class Dashboard:
         *,
         actions: bool = False,
         ring: bool | None = None,
+        secret: str | None = None,
     ) -> None:
         self.database = database
         self.statements = statements
         self.settings = settings
         self.actions = actions
         self.ring = settings.channel if (settings.listen if ring is None else ring) else None
-        self.token = secrets.token_urlsafe(32)  #: per process: forms carry it, cross-site pages cannot read it
+        #: Forms carry it; a page of another site cannot read it.
+        self.token = (
+            hmac.new(secret.encode(), b"dramatiq-pg-fenced dashboard form", hashlib.sha256).hexdigest()
+            if secret
+            else secrets.token_urlsafe(32)
+        )
         self._metrics: Any = None
 
     # -- WSGI --------------------------------------------------------------------
@@ -445,9 +456,11 @@ def _same_origin(environ: Environ) -> None:
             raise HTTPError("403 Forbidden", "cross-origin request refused")
 
 
-def dashboard_app(broker: Any, *, actions: bool = False, ring: bool | None = None) -> Dashboard:
+def dashboard_app(
+    broker: Any, *, actions: bool = False, ring: bool | None = None, secret: str | None = None
+) -> Dashboard:
     """The dashboard over *broker*'s database and schema (a ``PostgresBroker``): a WSGI app to mount."""
-    return Dashboard(broker.database, broker.statements, broker.settings, actions=actions, ring=ring)
+    return Dashboard(broker.database, broker.statements, broker.settings, actions=actions, ring=ring, secret=secret)
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):

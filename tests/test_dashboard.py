@@ -107,6 +107,16 @@ def test_actions_need_this_process_token_and_the_same_origin(dramatiq_pg_broker:
     assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
 
 
+def test_processes_given_one_secret_accept_each_others_forms(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    one, two = dashboard_app(broker, actions=True, secret="s"), dashboard_app(broker, actions=True, secret="s")
+    other = dashboard_app(broker, actions=True, secret="t")
+    assert one.token == two.token != other.token
+    assert dashboard_app(broker).token != dashboard_app(broker).token  # no secret: one per app
+    assert call(two, "/action", "POST", {"token": one.token, "action": "pause", "queue": "q"})[0] == "303 See Other"
+    assert call(other, "/action", "POST", {"token": one.token, "action": "resume", "queue": "q"})[0].startswith("403")
+
+
 def test_no_page_shows_the_connection_string(dramatiq_pg_url: str, dramatiq_pg_broker_factory: Factory) -> None:
     info = conninfo_to_dict(dramatiq_pg_url)
     if info.get("password"):
