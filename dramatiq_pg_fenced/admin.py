@@ -1,4 +1,5 @@
-"""What operators do to messages: cancel, inspect, count, compact.
+"""What operators do to messages and queues: cancel, inspect, re-drive, list,
+purge, pause and resume, count, compact.
 
 Functions over a :class:`~.database.Database` and the bound statements; the
 broker's methods of the same names call them, as does the CLI.
@@ -6,7 +7,11 @@ broker's methods of the same names call them, as does the CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import uuid
+from collections.abc import Iterable
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
@@ -17,7 +22,18 @@ from dramatiq.message import Message
 from .database import Database
 from .errors import describe_failure, lost_connection
 from .fencing import State
-from .sql import Statements
+from .sql import FINISHED_STATES, Statements, check_queue
+
+#: Rows per statement when re-driving or purging a whole queue.
+BATCH = 500
+
+
+def check_message_id(message_id: Any) -> str:
+    """*message_id* as a canonical UUID string; ``ValueError`` in one line otherwise."""
+    try:
+        return str(uuid.UUID(str(message_id)))
+    except ValueError:
+        raise ValueError(f"not a message id: {message_id!r} (a UUID, as Dramatiq makes them)") from None
 
 
 class CancelOutcome(str, Enum):
@@ -36,6 +52,7 @@ def cancel(database: Database, statements: Statements, message_id: str, *, chann
     A running one is announced on *channel* (``!cancel <id>``), so a worker
     that holds it in its prefetch never starts it.
     """
+    message_id = check_message_id(message_id)
     params = [message_id, listen, channel]
     row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
     if row is not None:
@@ -54,25 +71,313 @@ def state_of(database: Database, statements: Statements, message_id: str) -> tup
 
 _INSPECT_COLUMNS = (
     "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
-    "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries",
+    "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries", "claimed_at",
 )  # fmt: skip
 
 
 def inspect(database: Database, statements: Statements, message_id: str) -> dict[str, Any] | None:
-    """What operators need to understand a message; ``None`` if unknown."""
-    row = database.run(lambda conn: conn.execute(statements.inspect, [message_id]).fetchone())
-    if row is None:
+    """What operators need to understand a message; ``None`` if unknown (or acked longer ago than ``keep_finished``).
+
+    A message still in the message table is shown as it is there; an acked one
+    from the history table (state ``done``).  ``history`` lists every kept
+    finish of this id, newest first; ``ran_seconds`` is claim to finish.
+    """
+    message_id = check_message_id(message_id)
+
+    def read(conn: psycopg.Connection) -> tuple[Any, list[Any]]:
+        return (
+            conn.execute(statements.inspect, [message_id]).fetchone(),
+            conn.execute(statements.inspect_history, [message_id]).fetchall(),
+        )
+
+    row, finished = database.run(read)
+    if row is None and not finished:
         return None
+    info = _described(row if row is not None else finished[0])
+    info["history"] = [{k: v for k, v in _described(r, decode=False).items() if k in _HISTORY_KEYS} for r in finished]
+    return info
+
+
+_HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_seconds", "last_error")
+
+
+def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
     info = dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True))
     info["message_id"] = str(info["message_id"])
+    started, finished = info.get("claimed_at"), info.get("finished_at")
+    info["ran_seconds"] = (finished - started).total_seconds() if started and finished else None
+    if not decode:
+        return info
     try:
         decoded = Message.decode(bytes(row[-1]))
         info["retries"] = decoded.options.get("retries", 0)
         info["args"], info["kwargs"] = decoded.args, decoded.kwargs
+        info["options"] = {k: v for k, v in decoded.options.items() if k != "traceback"}
     except Exception as e:  # an undecodable row is still worth inspecting
         info["retries"] = None
         info["decode_error"] = str(e)
     return info
+
+
+# -- re-drive ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Redriven:
+    """What a re-drive did."""
+
+    redriven: list[str] = dataclasses.field(default_factory=list)  #: back in their queues
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  #: id -> why not
+
+
+def reset_payload(payload: bytes) -> bytes:
+    """The message as a fresh one: Dramatiq's retry count and traceback gone, so it gets every retry again."""
+    message = Message.decode(payload)
+    options = {k: v for k, v in message.options.items() if k not in ("retries", "traceback", "attempt")}
+    return dataclasses.replace(message, options=options).encode()
+
+
+def redrive(database: Database, statements: Statements, message_ids: Iterable[str], channel: str | None) -> Redriven:
+    """Put dead or cancelled messages back in their queues, due now, their retry count reset.
+
+    Fenced on the state and attempt read: a message claimed, re-driven or
+    purged in between is left alone.  Its attempt number goes on counting
+    (the fence of its next delivery is still new).  *channel*: ring the
+    doorbell of the queues that got messages (``None``: no LISTEN/NOTIFY).
+    """
+    ids = [check_message_id(m) for m in message_ids]
+    done = Redriven()
+
+    def work(conn: psycopg.Connection) -> list[tuple[str, str]]:
+        done.skipped.clear()  # a second try (broken connection) starts afresh
+        rows = conn.execute(statements.redrive_read, [ids]).fetchall()
+        found: list[tuple[str, int, str, bytes]] = []
+        for message_id, state, attempt, payload, _queue in rows:
+            try:
+                found.append((str(message_id), attempt, state, reset_payload(bytes(payload))))
+            except Exception as e:  # undecodable with this process's encoder: left as it is
+                done.skipped[str(message_id)] = f"cannot decode its payload: {e}"
+        if not found:
+            return []
+        columns = [list(c) for c in zip(*found, strict=True)]
+        back = [(str(r[0]), r[1]) for r in conn.execute(statements.redrive, columns).fetchall()]
+        if back and channel is not None:
+            conn.execute(statements.notify, [channel, sorted({q for _, q in back})])
+        return back
+
+    back = database.run(work, transaction=True)
+    done.redriven = [m for m, _ in back]
+    for message_id in ids:
+        if message_id not in done.redriven and message_id not in done.skipped:
+            done.skipped[message_id] = "not dead or cancelled (or changed meanwhile)"
+    return done
+
+
+def redrive_queue(
+    database: Database, statements: Statements, queue_name: str, states: Iterable[str], channel: str | None
+) -> Redriven:
+    """Re-drive every dead (and/or cancelled) message of a queue, oldest first, a batch at a time."""
+    check_queue(queue_name)
+    total = Redriven()
+    for state in _finished_states(states):
+        select = getattr(statements, f"redrive_ids_{state}")
+        while True:
+            rows = _fetch(database, select, [queue_name, list(total.skipped), BATCH])
+            if not rows:
+                break
+            step = redrive(database, statements, [str(r[0]) for r in rows], channel)
+            total.redriven += step.redriven
+            total.skipped.update(step.skipped)
+    return total
+
+
+def _fetch(database: Database, statement: bytes, params: Any) -> list[Any]:
+    return database.run(lambda conn: conn.execute(statement, params).fetchall())
+
+
+def _rowcount(database: Database, statement: bytes, params: Any) -> int:
+    return database.run(lambda conn: conn.execute(statement, params).rowcount)
+
+
+def _finished_states(states: Iterable[str]) -> list[str]:
+    states = list(states)
+    for state in states:
+        if state not in FINISHED_STATES:
+            raise ValueError(f"only dead or cancelled messages can be re-driven, not {state!r}")
+    return states
+
+
+# -- queues ------------------------------------------------------------------------
+PURGEABLE = ("queued", "dead", "cancelled", "done")
+
+
+def purge_queue(database: Database, statements: Statements, queue_name: str, states: Iterable[str]) -> dict[str, int]:
+    """Delete a queue's messages in the given states, in bounded batches; never a running one.
+
+    ``done`` is the queue's history.  Returns rows deleted per state.
+    """
+    check_queue(queue_name)
+    deleted: dict[str, int] = {}
+    for state in states:
+        if state not in PURGEABLE:
+            raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
+        statement = getattr(statements, f"purge_queue_{state}")
+        deleted[state] = 0
+        while True:
+            n = _rowcount(database, statement, [queue_name, BATCH])
+            deleted[state] += max(n, 0)
+            if n < BATCH:
+                break
+    return deleted
+
+
+def pause(database: Database, statements: Statements, queue_name: str) -> bool:
+    """Claims skip the queue from now on (in every process); ``False`` if it was paused already."""
+    check_queue(queue_name)
+    return database.run(lambda conn: conn.execute(statements.pause, [queue_name]).fetchone()) is not None
+
+
+def resume(database: Database, statements: Statements, queue_name: str, channel: str | None) -> bool:
+    """Claims take the queue again, woken at once; ``False`` if it was not paused."""
+    check_queue(queue_name)
+
+    def work(conn: psycopg.Connection) -> bool:
+        row = conn.execute(statements.resume, [queue_name]).fetchone()
+        if row is not None and channel is not None:
+            conn.execute(statements.notify, [channel, [queue_name]])
+        return row is not None
+
+    return database.run(work, transaction=True)
+
+
+def paused(database: Database, statements: Statements) -> dict[str, datetime]:
+    """Paused queues and since when."""
+    return dict(database.run(lambda conn: conn.execute(statements.paused).fetchall()))
+
+
+# -- listing -----------------------------------------------------------------------
+LISTABLE = ("queued", "running", "dead", "cancelled", "done")
+_LIST_COLUMNS = (
+    "message_id", "actor_name", "state", "attempt", "priority", "enqueued_at", "at", "finished_at",
+    "lease_holder", "last_error",
+)  # fmt: skip
+#: Where each state's first page starts (the cursor of "nothing shown yet").
+_FIRST = {
+    "queued": ("-2147483648", "-infinity", "-1"),
+    "running": ("9223372036854775807",),
+    "dead": ("infinity", "9223372036854775807"),
+    "cancelled": ("infinity", "9223372036854775807"),
+    "done": ("infinity", "9223372036854775807"),
+}
+
+
+#: Rows a filtered page reads at most before it stops (its "next" goes on from there).
+FILTER_WINDOW = 5000
+
+
+@dataclasses.dataclass
+class Page:
+    """One page of a message list, and the cursor of the next (``None``: no more).
+
+    ``searched``: the filter was tried on that many rows without filling the
+    page; more may match after them (``next`` goes on from the last).
+    """
+
+    rows: list[dict[str, Any]]
+    next: str | None
+    searched: int | None = None
+
+
+def list_messages(
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    state: str,
+    *,
+    actor: str | None = None,
+    after: str | None = None,
+    limit: int = 50,
+) -> Page:
+    """A page of a queue's messages in one state: queued ones in claim order
+    (next first), running ones newest first, finished ones (dead, cancelled,
+    done) most recently finished first.  Keyset pagination: *after* is the
+    previous page's ``next``.  With *actor*, at most :data:`FILTER_WINDOW`
+    rows are read per page."""
+    check_queue(queue_name)
+    if state not in LISTABLE:
+        raise ValueError(f"cannot list state {state!r}: one of {', '.join(LISTABLE)}")
+    if not 1 <= limit <= 1000:
+        raise ValueError("limit must be between 1 and 1000")
+    cursor = _FIRST[state] if not after else tuple(after.split("|"))
+    if len(cursor) != len(_FIRST[state]):
+        raise ValueError(f"bad cursor {after!r}")
+    scan = max(FILTER_WINDOW, limit + 1) if actor else limit + 1
+    params: dict[str, Any] = {"queue": queue_name, "actor": actor or None, "limit": limit + 1, "scan": scan}
+    try:
+        if state == "queued":
+            params.update(priority=int(cursor[0]), at=cursor[1], seq=int(cursor[2]))
+        elif state == "running":
+            params.update(seq=int(cursor[0]))
+        else:
+            params.update(at=cursor[0], seq=int(cursor[1]))
+    except ValueError:
+        raise ValueError(f"bad cursor {after!r}") from None
+    statement = getattr(statements, f"list_{state}")
+    rows = database.run(lambda conn: conn.execute(statement, params).fetchall())
+    edge = rows.pop() if rows and rows[-1][-2] else None
+    following: tuple | None = None
+    searched = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        following = rows[-1]
+    elif edge is not None and edge[-1] >= scan and actor:
+        following, searched = edge, int(edge[-1])
+    page = []
+    for row in rows:
+        item = dict(zip(_LIST_COLUMNS, row[:-3], strict=True))
+        item["message_id"] = str(item["message_id"])
+        page.append(item)
+    return Page(page, page_cursor(state, following) if following else None, searched)
+
+
+def page_cursor(state: str, row: tuple) -> str:
+    """The sort key of *row* (columns as the list statements return them)."""
+    seq = row[10]
+    if state == "queued":
+        return f"{row[4]}|{_stamp(row[6])}|{seq}"
+    if state == "running":
+        return str(seq)
+    return f"{_stamp(row[7])}|{seq}"
+
+
+def _stamp(value: datetime) -> str:
+    """A cursor's timestamp: UTC, microseconds, no '+' (safe in a URL as it is)."""
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# -- counting ----------------------------------------------------------------------
+_OVERVIEW_COLUMNS = (
+    "queue", "due", "delayed", "running", "expired_leases", "dead", "cancelled", "done_last_minute",
+    "done_last_hour", "dead_last_hour", "stale_writes", "oldest_due_seconds", "paused_since",
+)  # fmt: skip
+
+
+def overview(database: Database, statements: Statements, *, cap: int | None = None) -> list[dict[str, Any]]:
+    """Per queue: due, delayed, running (prefetched included: the database cannot
+    tell them apart), expired leases, dead, cancelled, outcomes of the last
+    minute and hour, stale writes (ever), age of the oldest due message,
+    paused since.  Counts stop at *cap* per priority (``None``: exact)."""
+
+    def read(conn: psycopg.Connection) -> list[Any]:
+        conn.execute(statements.no_jit)
+        return conn.execute(statements.overview, {"cap": cap}).fetchall()
+
+    rows = database.run(read, transaction=True)
+    return [dict(zip(_OVERVIEW_COLUMNS, row, strict=True)) for row in rows]
+
+
+def counters(database: Database, statements: Statements) -> dict[str, int]:
+    """Database-wide counters: stale writes, redeliveries (per-queue counts are in :func:`overview`)."""
+    rows = database.run(lambda conn: conn.execute(statements.counters).fetchall())
+    return {name: value for name, value in rows if ":" not in name}
 
 
 def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

@@ -25,10 +25,11 @@ from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
 from . import admin, delivery
-from .admin import CancelOutcome
+from .admin import CancelOutcome, Page, Redriven
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
+    DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -70,6 +71,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
       max_deliveries: deliveries of one message that may end without any
         outcome (its worker crashed or lost its lease) before it is
         dead-lettered instead of queued again; ``None``: no limit.
+      keep_finished: seconds acked messages are kept in the history table,
+        for ``inspect`` and the dashboard (0: none kept).
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
         (faster; a database crash may lose the last few enqueued messages).
     """
@@ -87,6 +90,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
         listen: bool = True,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL,
+        keep_finished: int = DEFAULT_KEEP_FINISHED,
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         synchronous_commit: bool = True,
@@ -99,6 +103,8 @@ class PostgresBroker(SkipNoopHooks, Broker):
             not isinstance(max_deliveries, int) or isinstance(max_deliveries, bool) or max_deliveries < 1
         ):
             raise ValueError(f"max_deliveries must be a positive integer or None, not {max_deliveries!r}")
+        if keep_finished < 0 or dead_message_ttl < 0:
+            raise ValueError("keep_finished and dead_message_ttl must not be negative")
         super().__init__(middleware=middleware)
         self.logger = get_logger(__name__, type(self))
         self.settings = Settings(
@@ -109,6 +115,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
             listen=listen,
             dead_message_ttl=dead_message_ttl,
             max_deliveries=max_deliveries,
+            keep_finished=int(keep_finished),
         )
         self.database = Database(
             url,
@@ -153,6 +160,7 @@ class PostgresBroker(SkipNoopHooks, Broker):
     rescue_interval = property(lambda self: self.settings.rescue_interval)
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
+    keep_finished = property(lambda self: self.settings.keep_finished)
 
     @property
     def max_payload_bytes(self) -> int:
@@ -184,7 +192,12 @@ class PostgresBroker(SkipNoopHooks, Broker):
                     # After fork the parent's threads are not ours: start afresh.
                     self.consumer_id = _new_consumer_id()
                     parts = self._parts = ProcessParts(
-                        self.database, self.statements, self.settings, self.logger, on_dead=self._remember_dead
+                        self.database,
+                        self.statements,
+                        self.settings,
+                        self.logger,
+                        on_dead=self._remember_dead,
+                        writer=self.consumer_id,
                     )
         return parts
 
@@ -474,6 +487,48 @@ class PostgresBroker(SkipNoopHooks, Broker):
     def inspect(self, message_id: str) -> dict[str, Any] | None:
         """What operators need to understand a message; ``None`` if unknown."""
         return admin.inspect(self.database, self.statements, message_id)
+
+    def redrive(self, message_id: str) -> bool:
+        """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
+
+        Returns whether it went back (``False``: unknown, or not dead or
+        cancelled).  Fenced on the state and attempt it had when read.
+        """
+        return bool(admin.redrive(self.database, self.statements, [message_id], self._ring).redriven)
+
+    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
+        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
+        return admin.redrive_queue(self.database, self.statements, queue_name, states, self._ring)
+
+    def purge_queue(
+        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
+    ) -> dict[str, int]:
+        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
+        return admin.purge_queue(self.database, self.statements, queue_name, states)
+
+    def pause(self, queue_name: str) -> bool:
+        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
+        return admin.pause(self.database, self.statements, queue_name)
+
+    def resume(self, queue_name: str) -> bool:
+        """Undo :meth:`pause`; consumers are woken at once."""
+        return admin.resume(self.database, self.statements, queue_name, self._ring)
+
+    def list_messages(
+        self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
+    ) -> Page:
+        """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
+        return admin.list_messages(
+            self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit
+        )
+
+    def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
+        """Per queue: the operator's figures (see :func:`.admin.overview`)."""
+        return admin.overview(self.database, self.statements, cap=cap)
+
+    @property
+    def _ring(self) -> str | None:
+        return self.channel if self.listen else None
 
     def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
         """Give back the space a drained backlog left behind (``VACUUM (FULL)``, never queued for its

@@ -1,7 +1,14 @@
-"""``dramatiq-pg-fenced``: migrate the schema, cancel, inspect, show stats, compact.
+"""``dramatiq-pg-fenced``: migrate, inspect and operate the queues without writing SQL.
 
-Workers are run with Dramatiq's own ``dramatiq`` command; this one only
-administers the database side.
+Workers are run with Dramatiq's own ``dramatiq`` command; this one
+administers the database side.  Options go before or after the command.
+
+Exit codes: 0 done; 1 the thing asked for did not apply (no such message,
+nothing to cancel or re-drive, a queue already paused); 2 bad usage (an
+unknown option, a message id that is not a UUID, a bad queue or schema
+name); 3 the database failed (unreachable, refused the statement, schema
+missing or out of date).  Output cut short by a closed pipe (``| head``) ends
+quietly with 0.
 """
 
 from __future__ import annotations
@@ -10,83 +17,326 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from dramatiq.errors import BrokerError
 
-from . import __version__
+from . import __version__, admin
 from .broker import PostgresBroker
 from .config import DEFAULT_SCHEMA
 from .errors import describe_failure
+from .sql import FINISHED_STATES
+
+OK, NOT_APPLIED, USAGE, DATABASE = 0, 1, 2, 3
+
+
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    """--url and --schema, accepted before the command and after it."""
+    common = argparse.ArgumentParser(add_help=False)
+    default = argparse.SUPPRESS
+    common.add_argument(
+        "--url",
+        default=default if suppress else os.environ.get("DATABASE_URL"),
+        help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables, named on stderr)",
+    )
+    common.add_argument(
+        "--schema",
+        default=default if suppress else os.environ.get("DRAMATIQ_PG_SCHEMA", DEFAULT_SCHEMA),
+        help="schema of the tables (default: $DRAMATIQ_PG_SCHEMA, else %(default)s)"
+        if not suppress
+        else "schema of the tables",
+    )
+    return common
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dramatiq-pg-fenced", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("DATABASE_URL"),
-        help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables)",
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-pg-fenced",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="exit codes: 0 done, 1 did not apply, 2 bad usage, 3 database failure",
+        parents=[_common(suppress=False)],
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--schema", default=os.environ.get("DRAMATIQ_PG_SCHEMA", DEFAULT_SCHEMA))
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("migrate", help="create or upgrade the schema (idempotent, safe to run concurrently)")
-    cancel = commands.add_parser("cancel", help="cancel a queued or running message")
-    cancel.add_argument("message_id")
-    inspect = commands.add_parser("inspect", help="show a message's state, attempt, lease and last error")
-    inspect.add_argument("message_id")
-    commands.add_parser("stats", help="queue sizes by state and the stale-write counter")
-    commands.add_parser(
-        "compact", help="give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)"
-    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _common(suppress=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    command("migrate", "create or upgrade the schema (idempotent, safe to run concurrently)")
+    command("cancel", "cancel a queued or running message").add_argument("message_id")
+    command("inspect", "a message's state, attempt, lease, timing and last error (JSON)").add_argument("message_id")
+    stats = command("stats", "per queue: due, delayed, running, dead, cancelled, done, oldest due, expired leases")
+    stats.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
+    listing = command("list", "list a queue's messages in one state (default: its dead letters, newest first)")
+    listing.add_argument("--queue", required=True)
+    listing.add_argument("--state", default="dead", choices=admin.LISTABLE)
+    listing.add_argument("--actor", help="only this actor's messages")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--after", help="the cursor printed after the previous page")
+    listing.add_argument("--json", action="store_true")
+    redrive = command("redrive", "put dead (or cancelled) messages back in their queue with their retry count reset")
+    redrive.add_argument("message_ids", nargs="*", metavar="MESSAGE_ID")
+    redrive.add_argument("--queue", help="every dead letter of this queue (with --state: cancelled, or all)")
+    redrive.add_argument("--state", default="dead", choices=(*FINISHED_STATES, "all"))
+    purge = command("purge", "delete a queue's queued, dead, cancelled and done messages (never running ones)")
+    purge.add_argument("--queue", required=True)
+    purge.add_argument("--state", choices=admin.PURGEABLE, help="only this state (default: all of them)")
+    purge.add_argument("--yes", action="store_true", help="required: this deletes messages")
+    command("pause", "consumers stop claiming from a queue (survives restarts)").add_argument("queue")
+    command("resume", "consumers claim from a paused queue again").add_argument("queue")
+    command("compact", "give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)")
+    metrics = command("metrics", "serve Prometheus metrics of the queues (or print them once)")
+    metrics.add_argument("--host", default="127.0.0.1")
+    metrics.add_argument("--port", type=int, default=9191)
+    metrics.add_argument("--once", action="store_true", help="print the metrics and exit")
+    dashboard = command("dashboard", "serve the web dashboard (read-only unless --actions)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this host only)")
+    dashboard.add_argument("--port", type=int, default=8080)
+    dashboard.add_argument("--actions", action="store_true", help="allow cancel, re-drive, pause/resume and purge")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (| head): no traceback, and none at exit either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return OK
+    except KeyboardInterrupt:
+        return OK
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
-        broker = PostgresBroker(args.url, schema=args.schema, listen=False, pool_max_size=1)
+        ids = [admin.check_message_id(m) for m in _ids(args)]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), USAGE)
+    pool = 4 if args.command == "dashboard" else 1
     try:
-        return _run(broker, args)
+        broker = PostgresBroker(args.url, schema=args.schema, listen=False, pool_max_size=pool)
+    except ValueError as e:
+        return _fail(str(e), USAGE)
+    if not args.url:
+        print(f"note: no --url or $DATABASE_URL; using libpq's defaults: {_libpq_default()}", file=sys.stderr)
+    try:
+        return _run(broker, args, ids)
+    except ValueError as e:
+        return _fail(str(e), USAGE)
     except BrokerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(str(e), DATABASE)
     except psycopg.Error as e:  # e.g. permission denied: one line, not a traceback
-        print(f"error: {describe_failure(e)}", file=sys.stderr)
-        return 1
+        return _fail(describe_failure(e), DATABASE)
     finally:
         broker.close()
 
 
-def _run(broker: PostgresBroker, args: argparse.Namespace) -> int:
-    if args.command == "migrate":
+def _libpq_default() -> str:
+    """The database libpq's defaults (PGHOST, PGPORT, PGUSER, PGDATABASE...) lead to, password never shown."""
+    try:
+        with psycopg.connect("", connect_timeout=5) as conn:
+            info = conn.info
+            return f"postgresql://{info.user}@{info.host}:{info.port}/{info.dbname}"
+    except psycopg.Error:
+        variables = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k in _PG_VARIABLES]
+        return f"({', '.join(variables) or 'no PG* variables set'}; not reachable)"
+
+
+_PG_VARIABLES = {"PGHOST", "PGHOSTADDR", "PGPORT", "PGUSER", "PGDATABASE", "PGSERVICE"}
+
+
+def _ids(args: argparse.Namespace) -> list[str]:
+    if args.command in ("cancel", "inspect"):
+        return [args.message_id]
+    return list(getattr(args, "message_ids", []) or [])
+
+
+def _fail(text: str, code: int) -> int:
+    print(f"error: {text}", file=sys.stderr)
+    return code
+
+
+def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> int:
+    db, st, ring = broker.database, broker.statements, broker.channel  # NOTIFY works without LISTEN
+    command = args.command
+    if command == "migrate":
         applied = broker.migrate()
         done = ", ".join(map(str, applied)) if applied else "nothing to do"
         print(f"schema {broker.schema!r}: {done}")
-        return 0
-    if args.command == "cancel":
-        outcome = broker.cancel(args.message_id)
+        return OK
+    if command == "cancel":
+        outcome = broker.cancel(ids[0])
         print(outcome.value)
-        return 0 if outcome.value.startswith("cancelled") else 1
-    if args.command == "inspect":
-        info = broker.inspect(args.message_id)
+        return OK if outcome.value.startswith("cancelled") else NOT_APPLIED
+    if command == "inspect":
+        info = broker.inspect(ids[0])
         if info is None:
-            print(f"no message {args.message_id}", file=sys.stderr)
-            return 1
-        _print(info)
-        return 0
-    if args.command == "compact":
-        _print(broker.compact())
-        return 0
-    _print(broker.stats())
-    return 0
+            return _fail(f"no message {ids[0]} (unknown, or acked longer ago than keep_finished)", NOT_APPLIED)
+        _print_json(info)
+        return OK
+    if command == "stats":
+        queues = admin.overview(db, st)
+        totals = admin.counters(db, st)
+        if args.json:
+            _print_json({"queues": queues, "totals": totals})
+        else:
+            print(stats_table(queues, totals))
+        return OK
+    if command == "list":
+        page = admin.list_messages(db, st, args.queue, args.state, actor=args.actor, after=args.after, limit=args.limit)
+        if args.json:
+            _print_json({"messages": page.rows, "next": page.next})
+        else:
+            print(list_table(page.rows))
+            if page.searched:
+                print(f"searched {page.searched} messages for this actor; more may follow")
+            if page.next:
+                print(f"more: --after '{page.next}'")
+        return OK
+    if command == "redrive":
+        if bool(ids) == bool(args.queue):
+            raise ValueError("give message ids or --queue, one of the two")
+        if args.queue:
+            again = FINISHED_STATES if args.state == "all" else (args.state,)
+            result = admin.redrive_queue(db, st, args.queue, again, ring)
+        else:
+            result = admin.redrive(db, st, ids, ring)
+        for message_id in result.redriven:
+            print(f"redriven {message_id}")
+        for message_id, why in result.skipped.items():
+            print(f"skipped {message_id}: {why}", file=sys.stderr)
+        print(f"{len(result.redriven)} re-driven, {len(result.skipped)} skipped", file=sys.stderr)
+        return OK if result.redriven or (args.queue and not result.skipped) else NOT_APPLIED
+    if command == "purge":
+        if not args.yes:
+            raise ValueError("purge deletes messages: add --yes")
+        purged = (args.state,) if args.state else admin.PURGEABLE
+        deleted = admin.purge_queue(db, st, args.queue, purged)
+        print(", ".join(f"{state} {n}" for state, n in deleted.items()))
+        return OK
+    if command in ("pause", "resume"):
+        changed = admin.pause(db, st, args.queue) if command == "pause" else admin.resume(db, st, args.queue, ring)
+        print(
+            f"{args.queue}: {command}d"
+            if changed
+            else f"{args.queue}: already {'paused' if command == 'pause' else 'running'}"
+        )
+        return OK if changed else NOT_APPLIED
+    if command == "compact":
+        _print_json(broker.compact())
+        return OK
+    if command == "metrics":
+        return _metrics(broker, args)
+    if command == "dashboard":
+        return _dashboard(broker, args)
+    raise AssertionError(command)
 
 
-def _print(data: Any) -> None:
+def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
+    try:
+        from . import metrics
+    except ImportError as e:
+        return _fail(str(e), USAGE)
+    registry = metrics.registry(broker.database, broker.statements)
+    if args.once:
+        sys.stdout.write(metrics.exposition(registry).decode())
+        return OK
+    broker.database.run(lambda conn: None)  # fail now, not at the first scrape, if the database is away
+    from prometheus_client import start_http_server
+
+    start_http_server(args.port, args.host, registry)
+    print(f"metrics of schema {broker.schema!r} on http://{args.host}:{args.port}/metrics", file=sys.stderr)
+    while True:
+        time.sleep(3600)
+
+
+def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
+    from .dashboard import dashboard_app, make_dashboard_server
+
+    broker.database.run(lambda conn: None)  # fail now if the database is away or not migrated
+    app = dashboard_app(broker, actions=args.actions, ring=True)
+    server = make_dashboard_server(app, args.host, args.port)
+    mode = "actions on" if args.actions else "read-only"
+    print(
+        f"dashboard of schema {broker.schema!r} ({mode}) on http://{args.host}:{server.server_port}/", file=sys.stderr
+    )
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return OK
+
+
+# -- output ----------------------------------------------------------------------------
+_STATS_HEADS = (
+    ("queue", "queue"), ("paused", "paused_since"), ("due", "due"), ("delayed", "delayed"),
+    ("running", "running"), ("expired", "expired_leases"), ("dead", "dead"), ("cancelled", "cancelled"),
+    ("done/1m", "done_last_minute"), ("done/1h", "done_last_hour"), ("dead/1h", "dead_last_hour"),
+    ("stale", "stale_writes"), ("oldest due", "oldest_due_seconds"),
+)  # fmt: skip
+
+
+def stats_table(queues: list[dict[str, Any]], totals: dict[str, int]) -> str:
+    """The human table of ``stats``."""
+    rows = []
+    for q in queues:
+        row = []
+        for _, key in _STATS_HEADS:
+            value = q[key]
+            if key == "paused_since":
+                value = "yes" if value is not None else ""
+            elif key == "oldest_due_seconds":
+                value = "" if value is None else f"{value:.1f}s"
+            row.append(str(value))
+        rows.append(row)
+    table = _columns([h for h, _ in _STATS_HEADS], rows) if rows else "no messages in any queue"
+    footer = (
+        f"stale writes: {totals.get('stale_writes', 0)}   redeliveries: {totals.get('redeliveries', 0)}"
+        "   (running includes prefetched messages)"
+    )
+    return f"{table}\n{footer}"
+
+
+def list_table(rows: list[dict[str, Any]]) -> str:
+    heads = ["message_id", "actor", "state", "attempt", "enqueued", "finished", "last error"]
+    body = [
+        [
+            r["message_id"],
+            r["actor_name"],
+            r["state"],
+            str(r["attempt"]),
+            _when(r["enqueued_at"]),
+            _when(r["finished_at"]),
+            ((r["last_error"] or "").strip().splitlines() or [""])[-1][:80],
+        ]
+        for r in rows
+    ]
+    return _columns(heads, body) if body else "no messages"
+
+
+def _when(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else ""
+
+
+def _columns(heads: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    numeric = [all(r[i].replace(".", "").rstrip("s").isdigit() or not r[i] for r in rows) for i in range(len(heads))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric, strict=True)
+        ).rstrip()
+
+    return "\n".join([line(heads), *(line(r) for r in rows)])
+
+
+def _print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
 

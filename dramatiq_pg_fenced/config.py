@@ -11,6 +11,10 @@ DEFAULT_POLL_INTERVAL = 1.0
 DEFAULT_RESCUE_INTERVAL = 1.0
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
+#: Seconds acked messages stay in the history table (0: none kept).  One hour
+#: answers "what happened to message X" through an incident and is bounded on
+#: disk; the README's "Operating it" gives the measured cost per message.
+DEFAULT_KEEP_FINISHED = 3600
 DEFAULT_POOL_MAX_SIZE = 8
 DEFAULT_CONNECT_TIMEOUT = 5
 #: Deliveries of one message that may end without an outcome (the worker
@@ -42,6 +46,7 @@ class Settings:
     dead_message_ttl: int = DEFAULT_DEAD_MESSAGE_TTL
     #: Deliveries without an outcome before a message is dead-lettered; ``None``: no limit.
     max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
+    keep_finished: int = DEFAULT_KEEP_FINISHED
 
     @property
     def channel(self) -> str:

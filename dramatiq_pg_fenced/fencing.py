@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -68,6 +69,14 @@ def stale_message(kind: Write, message_id: str, attempt: int, now: Row) -> str:
     return f"Stale {kind.value} of message {message_id} by attempt {attempt} ignored: {where}."
 
 
+def stale_counts(queues: Sequence[str | None]) -> list[list]:
+    """Parameters of ``count_stale`` for stale writes of these queues (``None``: unknown):
+    the total, and one counter per known queue."""
+    per_queue = Counter(f"stale_writes:{q}" for q in queues if q)
+    names = ["stale_writes", *per_queue]
+    return [names, [len(queues), *per_queue.values()]]
+
+
 class StaleWrites:
     """Classifies, logs and counts fenced-out writes; one per broker or backend."""
 
@@ -106,19 +115,25 @@ class StaleWrites:
                 self.dropped_effects += n
 
     def report(
-        self, conn: psycopg.Connection, misses: Sequence[Miss], retried: Collection[tuple[str, str]] = ()
+        self,
+        conn: psycopg.Connection,
+        misses: Sequence[Miss],
+        retried: Collection[tuple[str, str]] = (),
+        queues: Mapping[str, str] | None = None,
     ) -> None:
         """Log and count *misses*; called inside the writing transaction.
 
         *retried* holds the (message id, delivery token) pairs whose previous try
         failed with a broken connection: it may have committed, so a row that
-        looks as that write left it is not counted as stale.
+        looks as that write left it is not counted as stale.  *queues* (message
+        id -> queue, when the caller knows) adds per-queue counts to the total.
         """
         if not misses:
             return
         rows = conn.execute(self.statements.current, [[m[1] for m in misses]]).fetchall()
         current: dict[str, Row] = {str(r[0]): (r[1], r[2], None if r[3] is None else str(r[3])) for r in rows}
         n_stale = n_cancelled = 0
+        stale_queues: list[str | None] = []
         for kind, message_id, attempt, delivery in misses:
             now = current.get(message_id)
             if now is not None and now[0] == State.CANCELLED.value:
@@ -136,9 +151,10 @@ class StaleWrites:
                 )
             else:
                 n_stale += 1
+                stale_queues.append((queues or {}).get(message_id))
                 self.logger.warning(stale_message(kind, message_id, attempt, now))
         with self._lock:
             self.stale += n_stale
             self.cancelled += n_cancelled
         if n_stale:
-            conn.execute(self.statements.count_stale, [n_stale])
+            conn.execute(self.statements.count_stale, stale_counts(stale_queues))

@@ -11,7 +11,12 @@
   (once a minute with PostgreSQL's defaults).  A role that may not vacuum the
   table (not its owner) leaves it to autovacuum, and says so once.
 - **Purge**, once a minute: dead letters and cancellations older than
-  ``dead_message_ttl``.
+  ``dead_message_ttl``, and outcome tallies older than two hours.
+- **History**, every ``HISTORY_PURGE_EVERY`` seconds: acked messages older than
+  ``keep_finished``, oldest first, in batches of ``HISTORY_BATCH`` rows, each
+  its own short transaction (``SKIP LOCKED``: processes never wait for each
+  other), for at most ``HISTORY_PURGE_BUDGET`` seconds a tick; a tick that runs
+  out of time leaves the rest for the next tick.
 
 :class:`PurgeSchedule` does the same kind of bounded purge for the results
 and rate-limit backends, triggered by their use rather than by a thread.
@@ -41,6 +46,10 @@ VACUUM_MIN_INTERVAL = 10.0
 PURGE_EVERY = 60.0
 #: Rows deleted per bounded purge statement (a purge runs a few of them).
 PURGE_BATCH = 1000
+#: History: seconds between purges, rows per statement, seconds per tick at most.
+HISTORY_PURGE_EVERY = 10.0
+HISTORY_BATCH = 2000
+HISTORY_PURGE_BUDGET = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,7 @@ class Maintenance(Periodic):
         self.statements = statements
         self.settings = settings
         self._last_purge = 0.0
+        self._last_history_purge = 0.0
         self._vacuumed_at_claims = 0
         self._last_vacuum = 0.0
         self._may_vacuum: bool | None = None
@@ -77,6 +87,9 @@ class Maintenance(Periodic):
         if time.monotonic() - self._last_purge > PURGE_EVERY:
             self._last_purge = time.monotonic()
             self.purge()
+        if time.monotonic() - self._last_history_purge > HISTORY_PURGE_EVERY:
+            if self.purge_history() < HISTORY_BATCH:  # else: behind, go on at the next tick
+                self._last_history_purge = time.monotonic()
 
     def rescue(self) -> int:
         """Return expired leases (of any process) to their queues, or dead-letter them at ``max_deliveries``.
@@ -133,6 +146,19 @@ class Maintenance(Periodic):
     def purge(self) -> None:
         with self.database.connection(raw=True) as conn:
             conn.execute(self.statements.purge_finished, [self.settings.dead_message_ttl])
+            conn.execute(self.statements.purge_throughput)
+
+    def purge_history(self) -> int:
+        """Delete history older than ``keep_finished`` in bounded batches; returns the last batch's size."""
+        deadline = time.monotonic() + HISTORY_PURGE_BUDGET
+        deleted = 0
+        while True:
+            with self.database.connection(raw=True) as conn:
+                deleted = conn.execute(
+                    self.statements.purge_history, [self.settings.keep_finished, HISTORY_BATCH]
+                ).rowcount
+            if deleted < HISTORY_BATCH or time.monotonic() > deadline:
+                return max(deleted, 0)
 
 
 class PurgeSchedule:

@@ -47,17 +47,20 @@ def _lock_key(schema: str) -> int:
     return zlib.crc32(f"dramatiq_pg_fenced:{schema}".encode()) - 2**31
 
 
-def current_version(conn: psycopg.Connection, schema: str) -> int:
-    """The schema's applied version; 0 when it has none."""
+def applied_versions(conn: psycopg.Connection, schema: str) -> set[int]:
+    """The versions applied to *schema* (empty when it has none)."""
     exists = conn.execute(
         "SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(schema, "schema_version").as_string(conn)]
     ).fetchone()
     if not exists or not exists[0]:
-        return 0
-    row = conn.execute(
-        sql.SQL("SELECT coalesce(max(version), 0) FROM {}").format(sql.Identifier(schema, "schema_version"))
-    ).fetchone()
-    return int(row[0]) if row else 0
+        return set()
+    rows = conn.execute(sql.SQL("SELECT version FROM {}").format(sql.Identifier(schema, "schema_version")))
+    return {int(r[0]) for r in rows.fetchall()}
+
+
+def current_version(conn: psycopg.Connection, schema: str) -> int:
+    """The schema's highest applied version; 0 when it has none."""
+    return max(applied_versions(conn, schema), default=0)
 
 
 def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
@@ -68,13 +71,15 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     With nothing to do it changes nothing, so any role that can read the
     schema may call it; otherwise it needs the schema's owner (or ``CREATE``
     on the database when the schema does not exist yet).
+    A version missing below the highest applied one (files numbered in
+    parallel branches) is applied too, in order.
     """
     check_schema(schema)
     ident = sql.Identifier(schema)
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_key(schema)])
-        if current_version(conn, schema) >= latest_version():
+        if {version for version, _, _ in available()} <= applied_versions(conn, schema):
             return applied
         _create_schema(conn, schema)
         conn.execute(
@@ -84,9 +89,9 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             ).format(ident)
         )
-        done = current_version(conn, schema)
+        done = applied_versions(conn, schema)
         for version, name, text in available():
-            if version <= done:
+            if version in done:
                 continue
             conn.execute(sql.SQL(text).format(schema=ident))  # type: ignore[arg-type]
             conn.execute(
@@ -117,15 +122,21 @@ def _create_schema(conn: psycopg.Connection, schema: str) -> None:
 
 
 def check(conn: psycopg.Connection, schema: str, url_hint: str = "URL") -> None:
-    """Raise :class:`SchemaError` unless *schema* is at the latest version."""
-    have, want = current_version(conn, schema), latest_version()
-    if have < want:
-        what = "has no dramatiq-pg-fenced schema" if have == 0 else f"is at schema version {have}, need {want}"
-        raise SchemaError(
-            f"schema {schema!r} {what}. Run: dramatiq-pg-fenced migrate --url {url_hint} --schema {schema}"
-            " (or broker.migrate())"
-        )
+    """Raise :class:`SchemaError` unless every migration of this package is applied to *schema*."""
+    applied = applied_versions(conn, schema)
+    have, want = max(applied, default=0), latest_version()
     if have > want:
         raise SchemaError(
             f"schema {schema!r} is at version {have}, newer than this dramatiq-pg-fenced ({want}); upgrade the package"
+        )
+    missing = [version for version, _, _ in available() if version not in applied]
+    if missing:
+        what = (
+            "has no dramatiq-pg-fenced schema"
+            if not applied
+            else f"lacks migration(s) {', '.join(map(str, missing))} (at version {have}, need {want})"
+        )
+        raise SchemaError(
+            f"schema {schema!r} {what}. Run: dramatiq-pg-fenced migrate --url {url_hint} --schema {schema}"
+            " (or broker.migrate())"
         )

@@ -121,6 +121,7 @@ class OutcomeWriter:
         stale: StaleWrites,
         logger: logging.Logger,
         on_dead: Callable[[str, BaseException | None], None],
+        writer: str = "",
     ) -> None:
         self.database = database
         self.statements = statements
@@ -129,6 +130,7 @@ class OutcomeWriter:
         self.stale = stale
         self.logger = logger
         self.on_dead = on_dead
+        self.writer = writer  #: this process, in the outcome tallies (see sql.py)
         self._pending: list[Outcome] = []
         self._cond = threading.Condition()
         self._busy = False
@@ -362,13 +364,17 @@ class OutcomeWriter:
         with self.database.connection(raw=True) as conn, conn.transaction():
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
-                rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.delivery for o in acks]]).fetchall()
+                ack = stmts.ack_keep if self.settings.keep_finished > 0 else stmts.ack
+                params: dict[str, Any] = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks]}
+                rows = conn.execute(ack, {**params, "writer": self.writer}).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
             if nacks := by_kind[Write.NACK]:
-                rows = conn.execute(
-                    stmts.nack,
-                    [[o.message_id for o in nacks], [o.delivery for o in nacks], [o.error for o in nacks]],
-                ).fetchall()
+                params = {
+                    "ids": [o.message_id for o in nacks],
+                    "deliveries": [o.delivery for o in nacks],
+                    "errors": [o.error for o in nacks],
+                }
+                rows = conn.execute(stmts.nack, {**params, "writer": self.writer}).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
             if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
@@ -393,7 +399,8 @@ class OutcomeWriter:
             if any(o.result is not None for o in batch):
                 misses += self._write_results(conn, by_kind, applied)
             self._write_effects(conn, [o for o in batch if (o.message_id, o.delivery) in applied])
-            self.stale.report(conn, misses, retried=self._retried)
+            queues = {o.message_id: o.queue_name for o in batch if o.queue_name}
+            self.stale.report(conn, misses, retried=self._retried, queues=queues)
             dropped = [o for o in batch if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied]
             self.stale.drop_effects(dropped)
         for outcome in batch:
@@ -513,7 +520,7 @@ class OutcomeWriter:
             misses: list[Miss] = [
                 (Write.REQUEUE, p.message_id, p.attempt, p.delivery) for p in proxies if p.message_id not in released
             ]
-            self.stale.report(conn, misses)
+            self.stale.report(conn, misses, queues={p.message_id: p.queue_name for p in proxies})
             if released and self.settings.listen:
                 conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])
             return released

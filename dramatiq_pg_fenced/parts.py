@@ -32,6 +32,7 @@ class ProcessParts:
         logger: logging.Logger,
         *,
         on_dead: Callable[[str, BaseException | None], None],
+        writer: str,
     ) -> None:
         self.pid = os.getpid()
         self.stale = StaleWrites(statements, logger)
@@ -40,7 +41,9 @@ class ProcessParts:
         self.keeper = LeaseKeeper(self.leases, database, statements, settings, logger)
         self.gate = StartGate(self.leases, database, statements)
         self.maintenance = Maintenance(self.leases, database, statements, settings, logger)
-        self.writer = OutcomeWriter(database, statements, settings, self.leases, self.stale, logger, on_dead=on_dead)
+        self.writer = OutcomeWriter(
+            database, statements, settings, self.leases, self.stale, logger, on_dead=on_dead, writer=writer
+        )
         self.consumers = 0  #: consumers made in this process (each gets an id of its own)
 
     def close(self) -> None:

@@ -15,8 +15,9 @@ legal transition, and the one statement that makes it:
 from       to         statement        who, and the fence
 =========  =========  ===============  ==============================================
 (none)     queued     enqueue(_one)    a producer; ``ON CONFLICT DO NOTHING`` by id
-queued     running    claim            a consumer; attempt + 1, a new token, a lease
+queued     running    claim            a consumer; attempt + 1, a new token, a lease; not if paused
 running    (deleted)  ack              the outcome writer; fenced on the token
+running    history    ack_keep         the same, and the row moves to ``history``
 running    dead       nack             the outcome writer; fenced on the token
 running    queued     retry            the outcome writer; fenced; new payload, due time
 running    queued     requeue          shutdown release; fenced; attempt and place kept
@@ -29,13 +30,23 @@ running    dead       rescue           the same, at ``max_deliveries`` lost deli
 running    running    extend           the lease keeper; fenced; lease pushed out
 queued     cancelled  cancel           an operator; not fenced (administrative)
 running    cancelled  cancel           an operator; fences out that attempt's outcome
+dead       queued     redrive          an operator; fenced on the state and attempt read
+cancelled  queued     redrive          an operator; fenced on the state and attempt read
 dead       (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
+queued     (deleted)  purge_queue_*    an operator; never a running row
+dead       (deleted)  purge_queue_*    an operator
+cancelled  (deleted)  purge_queue_*    an operator
+history    (deleted)  purge_history    maintenance, after ``keep_finished``
 =========  =========  ===============  ==============================================
 
 ``lost_deliveries`` counts the deliveries that ended without any outcome
 (migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
 a release at shutdown is an outcome.
+
+``history`` is a table of its own (acked messages, state ``done`` for
+readers); ``paused_queue`` and ``throughput`` (outcomes per minute) serve the
+operator's console.
 """
 
 from __future__ import annotations
@@ -91,10 +102,13 @@ _TEMPLATES = {
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
     # -- claim -------------------------------------------------------------
+    # A paused queue (a row in paused_queue) is skipped: the NOT EXISTS does
+    # not depend on the row, so it runs once per claim (one primary-key probe).
     "claim": """
         WITH due AS (
             SELECT message_id FROM {schema}.message
              WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
+               AND NOT EXISTS (SELECT FROM {schema}.paused_queue AS p WHERE p.queue_name = %(queue)s)
              ORDER BY priority, available_at, seq
              LIMIT %(limit)s
              FOR UPDATE SKIP LOCKED
@@ -102,7 +116,7 @@ _TEMPLATES = {
         UPDATE {schema}.message AS m
            SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
                lease_expires_at = now() + %(lease)s * interval '1 second',
-               consumer_id = %(consumer)s
+               consumer_id = %(consumer)s, claimed_at = now()
           FROM due
          WHERE m.message_id = due.message_id
         RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
@@ -142,20 +156,6 @@ _TEMPLATES = {
         RETURNING message_id, state
     """,
     # -- fenced outcomes (batched: unnest of ids and delivery tokens) ------
-    "ack": """
-        DELETE FROM {schema}.message AS m
-         USING unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
-        RETURNING m.message_id, m.delivery
-    """,
-    "nack": """
-        UPDATE {schema}.message AS m
-           SET state = 'dead', finished_at = now(), last_error = o.error,
-               lease_expires_at = NULL
-          FROM unnest(%s::uuid[], %s::uuid[], %s::text[]) AS o(id, delivery, error)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
-        RETURNING m.message_id, m.delivery
-    """,
     "retry": """
         UPDATE {schema}.message AS m
            SET state = 'queued', payload = o.payload, last_error = o.error,
@@ -202,8 +202,10 @@ _TEMPLATES = {
     "current": """
         SELECT message_id, state, attempt, delivery FROM {schema}.message WHERE message_id = ANY(%s::uuid[])
     """,
+    # Counter names: "stale_writes" (all), "stale_writes:<queue>" (per queue, when known).
     "count_stale": """
-        INSERT INTO {schema}.counter (name, value) VALUES ('stale_writes', %s)
+        INSERT INTO {schema}.counter (name, value)
+        SELECT name, sum(n) FROM unnest(%s::text[], %s::bigint[]) AS c(name, n) GROUP BY name ORDER BY name
         ON CONFLICT (name) DO UPDATE SET value = counter.value + EXCLUDED.value
     """,
     "counters": "SELECT name, value FROM {schema}.counter",
@@ -211,11 +213,19 @@ _TEMPLATES = {
     # Expired leases go back to the queue; the next claim bumps the attempt.
     # Like requeue and release_unseen, this keeps available_at: the message
     # takes its old place in the queue, not a place behind the backlog.
+    # Each rescued lease is a redelivery to come: counted for operators.
     "rescue": f"""
-        UPDATE {{schema}}.message
-           SET {_LOST}
-         WHERE state = 'running' AND lease_expires_at < now()
-        RETURNING message_id, queue_name, attempt, state
+        WITH back AS (
+            UPDATE {{schema}}.message
+               SET {_LOST}
+             WHERE state = 'running' AND lease_expires_at < now()
+            RETURNING message_id, queue_name, attempt, state
+        ), counted AS (
+            INSERT INTO {{schema}}.counter AS c (name, value)
+            SELECT 'redeliveries', count(*) FROM back WHERE state = 'queued' HAVING count(*) > 0
+            ON CONFLICT (name) DO UPDATE SET value = c.value + EXCLUDED.value
+        )
+        SELECT message_id, queue_name, attempt, state FROM back
     """,
     "purge_finished": """
         DELETE FROM {schema}.message
@@ -270,7 +280,7 @@ _TEMPLATES = {
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
-               finished_at, last_error, lost_deliveries, payload
+               finished_at, last_error, lost_deliveries, claimed_at, payload
           FROM {schema}.message WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
@@ -340,6 +350,315 @@ _TEMPLATES.update(
         "enqueue_one_relaxed": _enqueue("one", relaxed=True),
     }
 )
+
+
+# -- ack and nack, built from explicit pieces (migration 005) ------------------
+# Both are fenced on (message_id, delivery, state = 'running') and batched with
+# unnest.  In the same statement they count their outcomes per queue in this
+# minute's row of the writing process (%(writer)s: no two processes share a
+# row, so no writer ever waits for another's), and the ack moves the row into
+# the history table when history is kept (``keep_finished`` > 0): one round
+# trip, and the hot table loses the row either way.
+_ACK_DELETE = """
+        DELETE FROM {schema}.message AS m
+         USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+"""
+_KEEP = """
+    kept AS (
+        INSERT INTO {schema}.history
+            (message_id, seq, queue_name, actor_name, priority, attempt, enqueued_at, claimed_at,
+             finished_at, consumer_id, last_error, payload)
+        SELECT message_id, seq, queue_name, actor_name, priority, attempt, enqueued_at, claimed_at,
+               now(), consumer_id, last_error, payload
+          FROM finished
+    ),"""
+
+
+def _tally(column: str) -> str:
+    return f"""
+    tally AS (
+        INSERT INTO {{schema}}.throughput AS t (queue_name, minute, writer, {column})
+        SELECT queue_name, date_trunc('minute', now()), %(writer)s, count(*) FROM finished GROUP BY queue_name
+        ON CONFLICT (queue_name, minute, writer) DO UPDATE SET {column} = t.{column} + EXCLUDED.{column}
+    )"""
+
+
+def _ack(*, keep: bool) -> str:
+    returning = (
+        "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
+        " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
+        if keep
+        else "RETURNING m.message_id, m.delivery, m.queue_name"
+    )
+    return f"""
+        WITH finished AS ({_ACK_DELETE} {returning}),
+        {_KEEP if keep else ""}
+        {_tally("done")}
+        SELECT message_id, delivery FROM finished
+    """
+
+
+_TEMPLATES.update(
+    {
+        "ack": _ack(keep=False),
+        "ack_keep": _ack(keep=True),
+        "nack": f"""
+            WITH finished AS (
+                UPDATE {{schema}}.message AS m
+                   SET state = 'dead', finished_at = now(), last_error = o.error, lease_expires_at = NULL
+                  FROM unnest(%(ids)s::uuid[], %(deliveries)s::uuid[], %(errors)s::text[])
+                       AS o(id, delivery, error)
+                 WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+                RETURNING m.message_id, m.delivery, m.queue_name
+            ),
+            {_tally("dead")}
+            SELECT message_id, delivery FROM finished
+        """,
+    }
+)
+
+# -- the operator's console (migration 005) --------------------------------------
+# Every query below reads through an index and stops early: the queue list is
+# a loose index scan (one probe per queue), a queue's due and delayed rows are
+# counted per priority in use (an index range each: (queue, priority,
+# available_at), in index order so the planner never trades it for a
+# sequential scan), counts stop at %(cap)s rows per priority (NULL: exact),
+# lists are keyset pages (no OFFSET).  Statements that must use a
+# partial index name its state as a literal (a parameter would not prove the
+# index's predicate in a generic plan), hence one statement per state.
+FINISHED_STATES = ("dead", "cancelled")
+
+
+def _capped_count(where: str) -> str:
+    # ORDER BY the finished index's column: an index scan that stops at the cap,
+    # never a sequential scan that hopes to meet matching rows early.
+    return (
+        "(SELECT count(*) FROM (SELECT FROM {schema}.message AS c"
+        f" WHERE c.queue_name = q.name AND {where} ORDER BY c.finished_at LIMIT %(cap)s) AS n)"
+    )
+
+
+_TEMPLATES.update(
+    {
+        # Per queue: what the stats, the metrics and the dashboard's first page show.
+        # Outcomes of the last minute and hour ("recent"): whole minutes, plus
+        # the older minute's share of the window (a sliding-window estimate).
+        "overview": f"""
+            WITH RECURSIVE
+            queued(name) AS (
+                (SELECT queue_name FROM {{schema}}.message WHERE state = 'queued' ORDER BY queue_name LIMIT 1)
+                UNION ALL
+                SELECT (SELECT m.queue_name FROM {{schema}}.message AS m
+                         WHERE m.state = 'queued' AND m.queue_name > queued.name ORDER BY m.queue_name LIMIT 1)
+                  FROM queued WHERE queued.name IS NOT NULL
+            ),
+            finished(name) AS (
+                (SELECT queue_name FROM {{schema}}.message WHERE state IN ('dead', 'cancelled')
+                  ORDER BY queue_name LIMIT 1)
+                UNION ALL
+                SELECT (SELECT m.queue_name FROM {{schema}}.message AS m
+                         WHERE m.state IN ('dead', 'cancelled') AND m.queue_name > finished.name
+                         ORDER BY m.queue_name LIMIT 1)
+                  FROM finished WHERE finished.name IS NOT NULL
+            ),
+            running AS (
+                SELECT queue_name, count(*) AS n, count(*) FILTER (WHERE lease_expires_at < now()) AS expired
+                  FROM {{schema}}.message WHERE state = 'running' GROUP BY queue_name
+            ),
+            recent AS (
+                SELECT queue_name,
+                       sum(CASE WHEN minute = date_trunc('minute', now()) THEN done
+                                WHEN minute = date_trunc('minute', now()) - interval '1 minute'
+                                THEN done * (1 - extract(epoch FROM now() - date_trunc('minute', now())) / 60)
+                                ELSE 0 END)::bigint AS done_1m,
+                       sum(CASE WHEN minute > date_trunc('minute', now()) - interval '60 minutes' THEN done
+                                WHEN minute = date_trunc('minute', now()) - interval '60 minutes'
+                                THEN done * (1 - extract(epoch FROM now() - date_trunc('minute', now())) / 60)
+                                ELSE 0 END)::bigint AS done_1h,
+                       sum(CASE WHEN minute > date_trunc('minute', now()) - interval '60 minutes' THEN dead
+                                ELSE 0 END)::bigint AS dead_1h
+                  FROM {{schema}}.throughput
+                 WHERE minute >= date_trunc('minute', now()) - interval '60 minutes'
+                 GROUP BY queue_name
+            ),
+            q(name) AS (
+                SELECT name FROM queued WHERE name IS NOT NULL
+                UNION SELECT name FROM finished WHERE name IS NOT NULL
+                UNION SELECT queue_name FROM running
+                UNION SELECT queue_name FROM recent
+                UNION SELECT queue_name FROM {{schema}}.paused_queue
+            )
+            SELECT q.name,
+                   coalesce(depth.due, 0) AS due,
+                   coalesce(depth.delayed, 0) AS delayed,
+                   coalesce(r.n, 0) AS running,
+                   coalesce(r.expired, 0) AS expired_leases,
+                   {_capped_count("c.state = 'dead'")} AS dead,
+                   {_capped_count("c.state = 'cancelled'")} AS cancelled,
+                   coalesce(t.done_1m, 0) AS done_last_minute,
+                   coalesce(t.done_1h, 0) AS done_last_hour,
+                   coalesce(t.dead_1h, 0) AS dead_last_hour,
+                   coalesce(sc.value, 0) AS stale_writes,
+                   extract(epoch FROM now() - depth.oldest)::float8 AS oldest_due_seconds,
+                   p.paused_at
+              FROM q
+              LEFT JOIN running AS r ON r.queue_name = q.name
+              LEFT JOIN recent AS t ON t.queue_name = q.name
+              LEFT JOIN {{schema}}.paused_queue AS p ON p.queue_name = q.name
+              LEFT JOIN {{schema}}.counter AS sc ON sc.name = 'stale_writes:' || q.name
+              LEFT JOIN LATERAL (
+                  WITH RECURSIVE pr(p) AS (
+                      (SELECT priority FROM {{schema}}.message
+                        WHERE queue_name = q.name AND state = 'queued' ORDER BY priority LIMIT 1)
+                      UNION ALL
+                      SELECT (SELECT m.priority FROM {{schema}}.message AS m
+                               WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority > pr.p
+                               ORDER BY m.priority LIMIT 1)
+                        FROM pr WHERE pr.p IS NOT NULL
+                  )
+                  SELECT sum(due.n)::bigint AS due, sum(later.n)::bigint AS delayed,
+                         min(head.at) FILTER (WHERE head.at <= now()) AS oldest
+                    FROM pr
+                   CROSS JOIN LATERAL (
+                         SELECT count(*) AS n FROM (
+                             SELECT FROM {{schema}}.message AS m
+                              WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
+                                AND m.available_at <= now() ORDER BY m.available_at LIMIT %(cap)s) AS d) AS due
+                   CROSS JOIN LATERAL (
+                         SELECT count(*) AS n FROM (
+                             SELECT FROM {{schema}}.message AS m
+                              WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
+                                AND m.available_at > now() ORDER BY m.available_at LIMIT %(cap)s) AS d) AS later
+                   CROSS JOIN LATERAL (
+                         SELECT m.available_at AS at FROM {{schema}}.message AS m
+                          WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
+                          ORDER BY m.available_at LIMIT 1) AS head
+                   WHERE pr.p IS NOT NULL
+              ) AS depth ON true
+             ORDER BY q.name
+        """,
+        # The overview's plan looks costly to the planner (it cannot know the
+        # counts stop early), which then spends 0.7 s compiling it with JIT for
+        # a query that runs in 20 ms: off, for the overview's transaction only.
+        "no_jit": "SELECT set_config('jit', 'off', true)",
+        "pause": """
+            INSERT INTO {schema}.paused_queue (queue_name) VALUES (%s)
+            ON CONFLICT (queue_name) DO NOTHING RETURNING queue_name
+        """,
+        "resume": "DELETE FROM {schema}.paused_queue WHERE queue_name = %s RETURNING queue_name",
+        "paused": "SELECT queue_name, paused_at FROM {schema}.paused_queue ORDER BY queue_name",
+        # Re-drive: the rows as they are (the caller rewrites their payloads),
+        # then back to the queue, fenced on the state and attempt it read, so
+        # a message redriven, claimed or purged meanwhile is left alone.
+        "redrive_read": """
+            SELECT message_id, state, attempt, payload, queue_name FROM {schema}.message
+             WHERE message_id = ANY(%s::uuid[]) AND state IN ('dead', 'cancelled')
+        """,
+        "redrive": """
+            UPDATE {schema}.message AS m
+               SET state = 'queued', payload = o.payload, available_at = now(), finished_at = NULL,
+                   lease_expires_at = NULL, consumer_id = NULL
+              FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::bytea[]) AS o(id, attempt, state, payload)
+             WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = o.state
+               AND m.state IN ('dead', 'cancelled')
+            RETURNING m.message_id, m.queue_name
+        """,
+        "inspect_history": """
+            SELECT message_id, queue_name, actor_name, priority, 'done' AS state, attempt, enqueued_at,
+                   NULL::timestamptz AS available_at, NULL::timestamptz AS lease_expires_at, consumer_id,
+                   finished_at, last_error, NULL::int AS lost_deliveries, claimed_at, payload
+              FROM {schema}.history WHERE message_id = %s
+             ORDER BY finished_at DESC
+        """,
+        # Maintenance: bounded deletes of the oldest history, a batch at a time.
+        "purge_history": """
+            DELETE FROM {schema}.history WHERE ctid = ANY(ARRAY(
+                SELECT ctid FROM {schema}.history
+                 WHERE finished_at < now() - %s * interval '1 second'
+                 ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED))
+        """,
+        "purge_throughput": "DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'",
+        "purge_queue_done": """
+            DELETE FROM {schema}.history WHERE ctid = ANY(ARRAY(
+                SELECT ctid FROM {schema}.history WHERE queue_name = %s LIMIT %s FOR UPDATE SKIP LOCKED))
+        """,
+    }
+)
+
+# Pages of a queue's messages (no payload).  A page reads a window of at most
+# %(scan)s rows in index order from the cursor (the sort key of the last row
+# shown or searched), keeps those of %(actor)s (NULL: all) up to %(limit)s,
+# and returns the window's last row as its edge (edge = true, with how many
+# rows the window held): a filter that matches little never scans the queue
+# to its end, and the next page goes on from the edge.
+_LIST_COLUMNS = """message_id, actor_name, {state} AS state, attempt, priority, enqueued_at, {at} AS at,
+                   finished_at AS fin, consumer_id, right(last_error, 300) AS last_error, seq"""
+
+
+def _page(table: str, at: str, where: str, order: str, reverse: str) -> str:
+    state = "'done'::text" if table == "history" else "state"
+    return f"""
+        WITH w AS (
+            SELECT {_LIST_COLUMNS.format(at=at, state=state)} FROM {{schema}}.{table}
+             WHERE queue_name = %(queue)s AND {where}
+             ORDER BY {order} LIMIT %(scan)s
+        )
+        (SELECT *, false AS edge, 0::bigint AS scanned FROM w
+          WHERE %(actor)s::text IS NULL OR actor_name = %(actor)s ORDER BY {order} LIMIT %(limit)s)
+        UNION ALL
+        (SELECT *, true, (SELECT count(*) FROM w) FROM w ORDER BY {reverse} LIMIT 1)
+    """
+
+
+_TEMPLATES.update(
+    {
+        # Queued: claim order, next to run first (the claim index).
+        "list_queued": _page(
+            "message",
+            "available_at",
+            "state = 'queued' AND (priority, available_at, seq) > (%(priority)s, %(at)s::timestamptz, %(seq)s)",
+            "priority, at, seq",
+            "priority DESC, at DESC, seq DESC",
+        ),
+        # Running: newest first (few rows: the lease index).
+        "list_running": _page("message", "lease_expires_at", "state = 'running' AND seq < %(seq)s", "seq DESC", "seq"),
+        # Finished: most recently finished first.
+        "list_done": _page(
+            "history",
+            "claimed_at",
+            "(finished_at, seq) < (%(at)s::timestamptz, %(seq)s)",
+            "fin DESC, seq DESC",
+            "fin, seq",
+        ),
+        **{
+            f"list_{state}": _page(
+                "message",
+                "available_at",
+                f"state = '{state}' AND (finished_at, seq) < (%(at)s::timestamptz, %(seq)s)",
+                "fin DESC, seq DESC",
+                "fin, seq",
+            )
+            for state in FINISHED_STATES
+        },
+    }
+)
+
+for _state in FINISHED_STATES:
+    # Ids to re-drive, oldest dead first, skipping those that could not be.
+    _TEMPLATES[f"redrive_ids_{_state}"] = f"""
+        SELECT message_id FROM {{schema}}.message
+         WHERE queue_name = %s AND state = '{_state}' AND message_id <> ALL(%s::uuid[])
+         ORDER BY finished_at LIMIT %s
+    """
+
+for _state in ("queued", *FINISHED_STATES):
+    # Bounded: a batch at a time, skipping rows someone holds (never a running row).
+    _TEMPLATES[f"purge_queue_{_state}"] = f"""
+        DELETE FROM {{schema}}.message WHERE message_id IN (
+            SELECT message_id FROM {{schema}}.message
+             WHERE queue_name = %s AND state = '{_state}' LIMIT %s FOR UPDATE SKIP LOCKED)
+    """
 
 
 # -- results and rate limits (migration 002) ----------------------------------
@@ -488,6 +807,7 @@ class Statements:
     next_due: bytes
     release_unseen: bytes
     ack: bytes
+    ack_keep: bytes
     nack: bytes
     retry: bytes
     requeue: bytes
@@ -515,6 +835,27 @@ class Statements:
     enqueue_relaxed: bytes
     enqueue_one: bytes
     enqueue_one_relaxed: bytes
+    overview: bytes
+    no_jit: bytes
+    pause: bytes
+    resume: bytes
+    paused: bytes
+    redrive_read: bytes
+    redrive: bytes
+    redrive_ids_dead: bytes
+    redrive_ids_cancelled: bytes
+    inspect_history: bytes
+    purge_history: bytes
+    purge_throughput: bytes
+    purge_queue_queued: bytes
+    purge_queue_dead: bytes
+    purge_queue_cancelled: bytes
+    purge_queue_done: bytes
+    list_queued: bytes
+    list_running: bytes
+    list_dead: bytes
+    list_cancelled: bytes
+    list_done: bytes
     result_get: bytes
     result_drop_expired: bytes
     result_store: bytes

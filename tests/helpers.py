@@ -55,3 +55,9 @@ def listening(backend: Any, key: str) -> bool:
     """Does *backend* (results or rate limits) wait for a notification on *key* in this process?"""
     doorbell = backend.database.started_doorbell(backend.channel)
     return doorbell is not None and doorbell.has_waiters(key)
+
+
+def acked(broker: PostgresBroker, message_id: str, attempt: int | None = None) -> bool:
+    """Was the message acked (it is in the history, state ``done``), by *attempt* if given?"""
+    info = broker.inspect(message_id)
+    return info is not None and info["state"] == "done" and attempt in (None, info["attempt"])

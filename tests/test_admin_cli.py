@@ -1,15 +1,21 @@
-"""The ``dramatiq-pg-fenced`` command: migrate, cancel, inspect, stats, compact."""
+"""The ``dramatiq-pg-fenced`` command: migrate, cancel, inspect, stats, list, redrive, purge, pause,
+metrics, dashboard, compact; and how it behaves at its edges."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 
 import dramatiq
 import psycopg
 import pytest
 from dramatiq.errors import BrokerError
+from helpers import query, running_worker, wait_for
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.cli import main
@@ -51,7 +57,7 @@ def test_migrate_twice_then_the_broker_works(dramatiq_pg_url, fresh_schema):
 
 def test_stats_on_an_unmigrated_schema_names_the_migrate_command(dramatiq_pg_url, fresh_schema):
     result = cli(dramatiq_pg_url, "--schema", fresh_schema, "stats")
-    assert result.returncode == 1
+    assert result.returncode == 3  # a database failure
     assert "dramatiq-pg-fenced migrate" in result.stderr
     assert fresh_schema in result.stderr
 
@@ -128,3 +134,146 @@ def test_compact_gives_up_on_a_busy_table_rather_than_block_it(dramatiq_pg_url, 
     message = dramatiq.Message(queue_name="default", actor_name="x", args=(), kwargs={}, options={})
     broker.enqueue(message)  # the pool's connections are back to no lock timeout, and nothing else changed
     assert broker.inspect(message.message_id)["state"] == "queued"
+
+
+def test_options_go_before_or_after_the_command(dramatiq_pg_url, dramatiq_pg_broker):
+    schema = dramatiq_pg_broker.schema
+    dramatiq_pg_broker.declare_queue("q")
+    dramatiq_pg_broker.enqueue(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))
+    before = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", dramatiq_pg_url, "--schema", schema, "stats", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    after = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "stats", "--json", "--schema", schema, "--url", dramatiq_pg_url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert before.returncode == after.returncode == 0, (before.stderr, after.stderr)
+    one, two = json.loads(before.stdout), json.loads(after.stdout)
+    assert [q["due"] for q in one["queues"]] == [q["due"] for q in two["queues"]] == [1]
+
+
+def test_a_bad_message_id_is_one_line_and_exit_2(dramatiq_pg_url, dramatiq_pg_broker):
+    for command in ("inspect", "cancel", "redrive"):
+        result = cli(dramatiq_pg_url, "--schema", dramatiq_pg_broker.schema, command, "12345")
+        assert result.returncode == 2, result
+        assert result.stderr.strip().splitlines() == [
+            "error: not a message id: '12345' (a UUID, as Dramatiq makes them)"
+        ]
+
+
+def test_stats_is_a_table_for_people_and_json_for_scripts(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    broker.declare_queue("mail")
+    broker.enqueue_many([dramatiq.Message(queue_name="mail", actor_name="a", args=(), kwargs={}, options={})] * 1)
+    broker.pause("mail")
+    table = cli(dramatiq_pg_url, "--schema", broker.schema, "stats")
+    assert table.returncode == 0, table.stderr
+    head, row, footer = table.stdout.strip().splitlines()
+    assert head.split()[:5] == ["queue", "paused", "due", "delayed", "running"]
+    assert row.split()[:3] == ["mail", "yes", "1"]
+    assert footer.startswith("stale writes: 0   redeliveries: 0")
+    data = json.loads(cli(dramatiq_pg_url, "--schema", broker.schema, "stats", "--json").stdout)
+    assert data["queues"][0]["queue"] == "mail" and data["queues"][0]["due"] == 1
+    assert data["queues"][0]["paused_since"] is not None
+
+
+def test_list_and_redrive_dead_letters_pause_resume_and_purge(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+
+    @dramatiq.actor(queue_name="jobs", max_retries=0)
+    def fails(n):
+        raise ValueError(f"bad {n}")
+
+    dead = [fails.send(i) for i in range(3)]
+    with running_worker(broker):
+        wait_for(lambda: all((broker.inspect(m.message_id) or {}).get("state") == "dead" for m in dead), 30, "dead")
+
+    listed = cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "jobs")  # dead letters by default
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.strip().splitlines()
+    assert len(lines) == 4 and "ValueError: bad" in lines[1]
+    assert {line.split()[0] for line in lines[1:]} == {m.message_id for m in dead}
+    paged = json.loads(
+        cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "jobs", "--limit", "2", "--json").stdout
+    )
+    assert len(paged["messages"]) == 2 and paged["next"]
+
+    one = cli(dramatiq_pg_url, "--schema", schema, "redrive", dead[0].message_id)
+    assert one.returncode == 0 and one.stdout.strip() == f"redriven {dead[0].message_id}"
+    again = cli(dramatiq_pg_url, "--schema", schema, "redrive", dead[0].message_id)
+    assert again.returncode == 1 and "not dead or cancelled" in again.stderr
+    rest = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "jobs")
+    assert rest.returncode == 0 and len(rest.stdout.strip().splitlines()) == 2
+    assert {broker.inspect(m.message_id)["retries"] for m in dead} == {0}
+    assert {broker.inspect(m.message_id)["state"] for m in dead} == {"queued"}
+
+    assert cli(dramatiq_pg_url, "--schema", schema, "pause", "jobs").returncode == 0
+    assert cli(dramatiq_pg_url, "--schema", schema, "pause", "jobs").returncode == 1  # already
+    assert query(broker, "SELECT queue_name FROM {schema}.paused_queue") == [("jobs",)]
+    assert cli(dramatiq_pg_url, "--schema", schema, "resume", "jobs").returncode == 0
+
+    refused = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "jobs")
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    purged = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "jobs", "--state", "queued", "--yes")
+    assert purged.returncode == 0 and purged.stdout.strip() == "queued 3"
+
+
+def test_a_closed_pipe_is_quiet(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    broker.declare_queue("many")
+    broker.enqueue_many(
+        [dramatiq.Message(queue_name="many", actor_name="a", args=(), kwargs={}, options={}) for _ in range(2000)]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", dramatiq_pg_url, "--schema", broker.schema,
+         "list", "--queue", "many", "--state", "queued", "--limit", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout.readline().split()[0] == b"message_id"
+    proc.stdout.close()  # as `| head -1` does
+    assert proc.wait(60) == 0
+    assert proc.stderr.read() == b""
+
+
+def test_without_a_url_it_names_the_database_it_uses(dramatiq_pg_url, dramatiq_pg_broker):
+    info = conninfo_to_dict(dramatiq_pg_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG") and k != "DATABASE_URL"}
+    for key, var in (("host", "PGHOST"), ("port", "PGPORT"), ("user", "PGUSER"), ("dbname", "PGDATABASE"),
+                     ("password", "PGPASSWORD")):  # fmt: skip
+        if info.get(key):
+            env[var] = str(info[key])
+    result = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--schema", dramatiq_pg_broker.schema, "stats"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "using libpq's defaults: postgresql://" in result.stderr
+    assert str(info.get("dbname")) in result.stderr and str(info.get("password") or "\0") not in result.stderr
+
+
+def test_metrics_once_and_the_dashboard_command(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    broker.declare_queue("m")
+    broker.enqueue(dramatiq.Message(queue_name="m", actor_name="a", args=(), kwargs={}, options={}))
+    shown = cli(dramatiq_pg_url, "--schema", broker.schema, "metrics", "--once")
+    assert shown.returncode == 0, shown.stderr
+    assert 'dramatiq_pg_messages{queue="m",state="due"} 1.0' in shown.stdout
+    assert "# TYPE dramatiq_pg_stale_writes_total counter" in shown.stdout
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "dashboard", "--url", dramatiq_pg_url,
+         "--schema", broker.schema, "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()
+        assert "(read-only) on http://127.0.0.1:" in line, line
+        url = line.rsplit(" ", 1)[-1].strip()
+        with urllib.request.urlopen(url, timeout=10) as page:
+            body = page.read().decode()
+        assert page.status == 200 and ">m</a>" in body and dramatiq_pg_url not in body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0

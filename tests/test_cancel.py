@@ -196,4 +196,13 @@ def test_inspect_shows_what_operators_need(broker: PostgresBroker) -> None:
         assert info["lease_expires_at"] is None and info["lease_holder"] is None
         assert info["available_at"] > info["enqueued_at"]
         go.set()
-        wait_for(lambda: broker.inspect(running.message_id) is None, 30, "the running message's ack")
+        done = wait_for(
+            lambda: (i := broker.inspect(running.message_id)) and i["state"] == "done" and i,
+            30,
+            "the running message's ack",
+        )
+    # Acked, it is still known (history, kept for keep_finished): when, which attempt, who, how long.
+    assert done["attempt"] == 1 and done["lease_holder"].startswith(broker.consumer_id)
+    assert done["claimed_at"] <= done["finished_at"] and 0 <= done["ran_seconds"] < 30
+    assert list(done["args"]) == [2] and done["last_error"] is None
+    assert [h["attempt"] for h in done["history"]] == [1]

@@ -28,7 +28,7 @@ import psycopg
 import pytest
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
-from helpers import wait_for
+from helpers import acked, wait_for
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -236,7 +236,7 @@ def test_paused_worker_cannot_finalize_after_takeover(fault_env: Callable[..., E
     )
 
     ledger.release(mid, 2)
-    wait_for(lambda: broker.inspect(mid) is None, 30, "attempt 2's ack")
+    wait_for(lambda: acked(broker, mid, attempt=2), 30, "attempt 2's ack")
     # A write that slipped through would be followed by a redelivery within a
     # poll interval (re-queue) or a lease (anything still held): wait past both.
     time.sleep(broker.lease_seconds + 2)
@@ -498,7 +498,7 @@ def test_partition_past_lease_fences_the_late_retry(
     info = broker.inspect(mid)
     assert info is not None and (info["state"], info["attempt"]) == ("running", 2), info
     ledger.release(mid, 2)
-    wait_for(lambda: broker.inspect(mid) is None, 30, "attempt 2's ack")
+    wait_for(lambda: acked(broker, mid, attempt=2), 30, "attempt 2's ack")
     time.sleep(broker.lease_seconds + 2)
     runs = {(e.attempt, e.pid) for e in ledger.entries(mid) if e.event == "start"}
     assert runs == {(1, pid_a), (2, pid_b)}
@@ -894,10 +894,10 @@ def test_attempt_numbers_only_grow(dramatiq_pg_broker_factory: Callable[..., Pos
         consumer.ack(old)
     broker.flush_outcomes(timeout=10)
     assert stale_total(broker) == stale_before + 3
-    assert broker.inspect(mid) is not None
+    assert not acked(broker, mid)
     consumer.ack(fourth)
     broker.flush_outcomes(timeout=10)
-    assert broker.inspect(mid) is None
+    assert acked(broker, mid, attempt=4)
 
 
 # -- a claim whose response is lost ------------------------------------------------------------
@@ -950,7 +950,7 @@ def test_claim_with_lost_response_is_released_at_the_next_claim(
     consumer.ack(first)
     consumer.ack(again)
     broker.flush_outcomes(timeout=10)
-    assert broker.inspect(held.message_id) is None and broker.inspect(lost.message_id) is None
+    assert acked(broker, held.message_id) and acked(broker, lost.message_id)
 
 
 def test_redelivered_messages_keep_their_place_in_the_queue(

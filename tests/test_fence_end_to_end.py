@@ -7,7 +7,7 @@ from typing import Any
 
 import dramatiq
 import pytest
-from helpers import Factory, query, wait_for
+from helpers import Factory, acked, query, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
@@ -50,7 +50,7 @@ def test_a_stale_delivery_cannot_settle_a_message_sent_again_under_the_same_id(
     expire_and_rescue(a)
     current = deliver(b)  # attempt 2 in B, which finishes: the row is gone
     current.consumer.ack(current)  # type: ignore[attr-defined]
-    assert b.flush_outcomes(10) and b.inspect(first.message_id) is None
+    assert b.flush_outcomes(10) and acked(b, first.message_id)
 
     a.enqueue(first.copy())  # the same id again (a re-send, a duplicate pipeline step): attempt 1 anew
     again = deliver(b)
@@ -63,7 +63,7 @@ def test_a_stale_delivery_cannot_settle_a_message_sent_again_under_the_same_id(
     assert info is not None and (info["state"], info["attempt"]) == ("running", 1)  # the new delivery's, untouched
     assert stale_writes(a) == before + 1
     again.consumer.ack(again)  # type: ignore[attr-defined]
-    assert b.flush_outcomes(10) and b.inspect(first.message_id) is None
+    assert b.flush_outcomes(10) and acked(b, first.message_id)
 
 
 # -- a delivery's effects share its fence ------------------------------------------------
@@ -100,7 +100,7 @@ def test_a_stale_deliverys_result_is_not_written_beside_the_current_ones_ack(
 
     broker.parts.writer.write([ack(current, "current"), ack(stale, "stale")])  # the stale one last
     assert backend.get_result(sent) == "current"
-    assert broker.inspect(sent.message_id) is None
+    assert acked(broker, sent.message_id)
 
 
 def _group_members(broker: PostgresBroker, runs: list[str], events: dict[str, Any]) -> tuple[Any, ...]:
@@ -323,7 +323,7 @@ def test_close_writes_pending_outcomes_builds_nothing_new_and_may_be_called_twic
     broker.close()
     assert not broker.started  # no new pool, no new writer thread
     broker.close()
-    assert other.inspect(sent.message_id) is None  # the pending ack was written
+    assert acked(other, sent.message_id)  # the pending ack was written
 
 
 # -- join as Dramatiq's StubBroker ------------------------------------------------------------------

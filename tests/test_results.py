@@ -12,7 +12,7 @@ import dramatiq
 import pytest
 from dramatiq.message import Message
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
-from helpers import Factory, listening, query, running_worker, wait_for
+from helpers import Factory, acked, listening, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
@@ -338,7 +338,7 @@ def test_result_commits_with_the_ack(dramatiq_pg_broker_factory: Factory) -> Non
     assert broker.inspect(message.message_id)["state"] == "running"
     consumer.ack(proxy)
     assert broker.flush_outcomes(timeout=10)
-    assert broker.inspect(message.message_id) is None  # ...and with it
+    assert acked(broker, message.message_id)  # ...and with it
     assert backend.get_result(message) == "done"
 
 

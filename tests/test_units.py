@@ -123,3 +123,47 @@ def test_the_proxy_is_the_one_source_of_a_deliverys_attempt() -> None:
     assert attempt_of(proxy) == 3
     assert attempt_of(message.copy(options={"attempt": 2})) == 2
     assert attempt_of(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})) is None
+
+
+def test_metrics_are_named_after_prometheus_conventions() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dramatiq_pg_fenced.metrics import families
+
+    queue = {
+        "queue": "mail", "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
+        "done_last_minute": 5, "done_last_hour": 50, "dead_last_hour": 2, "stale_writes": 5,
+        "oldest_due_seconds": 12.5,
+        "paused_since": None,
+    }  # fmt: skip
+
+    class Fixed:
+        def collect(self):
+            return families([queue], {"stale_writes": 7, "redeliveries": 2})
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())
+    text = generate_latest(registry).decode()
+    assert 'dramatiq_pg_messages{queue="mail",state="due"} 3.0' in text
+    assert 'dramatiq_pg_messages{queue="mail",state="dead"} 4.0' in text
+    assert 'dramatiq_pg_oldest_due_age_seconds{queue="mail"} 12.5' in text
+    assert 'dramatiq_pg_queue_paused{queue="mail"} 0.0' in text
+    assert "# TYPE dramatiq_pg_stale_writes_total counter" in text
+    assert 'dramatiq_pg_stale_writes_total{queue="mail"} 5.0' in text
+    assert 'dramatiq_pg_stale_writes_total{queue=""} 2.0' in text  # the rest of the total
+    assert "dramatiq_pg_redeliveries_total 2.0" in text
+
+
+def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from dramatiq_pg_fenced.admin import list_messages, page_cursor
+
+    at = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone(timedelta(hours=2)))
+    row = ("id", "a", "queued", 1, -3, at, at, at, None, None, 42)
+    assert page_cursor("queued", row) == "-3|2026-01-02T01:04:05.006789Z|42"
+    assert page_cursor("dead", row) == "2026-01-02T01:04:05.006789Z|42"
+    assert page_cursor("running", row) == "42"
+    for bad in ("nope", "a|b|c", "1|2026-01-02T01:04:05Z"):  # refused before any query
+        with pytest.raises(ValueError, match="bad cursor"):
+            list_messages(None, statements("s"), "q", "queued", after=bad)  # type: ignore[arg-type]

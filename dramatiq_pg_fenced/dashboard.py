@@ -1,0 +1,479 @@
+"""The web dashboard: a WSGI app over the operator's functions in :mod:`.admin`.
+
+Pages: ``/`` (queues), ``/messages`` (a queue's messages by state, filtered by
+actor, keyset pages), ``/message/<id>`` (one message), ``/metrics``
+(Prometheus, when ``prometheus_client`` is installed).  Actions (cancel,
+re-drive, pause, resume, purge) are ``POST /action`` forms, refused unless the
+app was built with ``actions=True``.
+
+Cross-site requests cannot act: every form carries a token made for this
+process (compared in constant time), a request whose ``Origin`` is not this
+host or whose ``Sec-Fetch-Site`` says ``cross-site`` is refused, and pages may
+not be framed.  Nothing of the connection string is ever rendered: the pages
+name the schema only.
+
+Budget: every page runs a fixed number of indexed statements that stop early
+(counts capped at :data:`COUNT_CAP` per priority, pages of :data:`PAGE_SIZE`
+rows by keyset, an actor filter reads at most :data:`.admin.FILTER_WINDOW`
+rows per page); none scans the message table.  Mount it in any WSGI server
+(``gunicorn 'myapp:dashboard'``), or serve it with ``dramatiq-pg-fenced dashboard``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import json
+import logging
+import secrets
+import socketserver
+import urllib.parse
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from . import admin
+from .config import Settings
+from .database import Database
+from .sql import FINISHED_STATES, Statements, check_queue
+
+#: Counts on the queues page stop here (shown as "10,000+").
+COUNT_CAP = 10_000
+PAGE_SIZE = 50
+ACTIONS = ("cancel", "redrive", "pause", "resume", "purge", "redrive_queue")
+
+logger = logging.getLogger(__name__)
+
+StartResponse = Callable[..., Any]
+Environ = dict[str, Any]
+
+_HEADERS = [
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    ("X-Frame-Options", "DENY"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+]
+
+
+class HTTPError(Exception):
+    def __init__(self, status: str, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class Dashboard:
+    """The WSGI app.  Build it with :func:`dashboard_app` (from a broker) or from the parts.
+
+    Parameters:
+      database, statements, settings: the broker's (``broker.database``, ...).
+      actions: allow cancel, re-drive, pause/resume and purge (off: read-only).
+      ring: NOTIFY workers when a re-drive or resume makes messages due
+        (default: as the broker's ``listen``).
+      secret: derive the forms' token from it, so every process of a
+        multi-process server (gunicorn workers, replicas) accepts the others'
+        forms; ``None``: a random token made when the app is built (one process,
+        or an app built before the server forks).
+    """
+
+    def __init__(
+        self,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        *,
+        actions: bool = False,
+        ring: bool | None = None,
+        secret: str | None = None,
+    ) -> None:
+        self.database = database
+        self.statements = statements
+        self.settings = settings
+        self.actions = actions
+        self.ring = settings.channel if (settings.listen if ring is None else ring) else None
+        #: Forms carry it; a page of another site cannot read it.
+        self.token = (
+            hmac.new(secret.encode(), b"dramatiq-pg-fenced dashboard form", hashlib.sha256).hexdigest()
+            if secret
+            else secrets.token_urlsafe(32)
+        )
+        self._metrics: Any = None
+
+    # -- WSGI --------------------------------------------------------------------
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        try:
+            if method == "POST" and path == "/action":
+                location = self.act(environ)
+                start_response("303 See Other", [("Location", location), *_HEADERS])
+                return [b""]
+            if method not in ("GET", "HEAD"):
+                raise HTTPError("405 Method Not Allowed", "method not allowed")
+            query = dict(urllib.parse.parse_qsl(environ.get("QUERY_STRING", "")))
+            if path == "/metrics":
+                return self.metrics(start_response)
+            if path == "/":
+                body = self.queues_page(query)
+            elif path == "/messages":
+                body = self.messages_page(query)
+            elif path.startswith("/message/"):
+                body = self.message_page(path[len("/message/") :], query)
+            else:
+                raise HTTPError("404 Not Found", "no such page")
+        except HTTPError as e:
+            body, status = self.layout(e.status, f"<p class=error>{_e(e.text)}</p>"), e.status
+        except ValueError as e:
+            body, status = self.layout("Bad request", f"<p class=error>{_e(str(e))}</p>"), "400 Bad Request"
+        except Exception:  # the log has it; the page names no server or URL
+            logger.exception("Dashboard: %s %s failed", method, path)
+            text = "The database could not answer (see the server's log)."
+            body, status = self.layout("Unavailable", f"<p class=error>{text}</p>"), "503 Service Unavailable"
+        else:
+            status = "200 OK"
+        data = body.encode()
+        start_response(status, [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(data))),
+                                *_HEADERS])  # fmt: skip
+        return [data]
+
+    def metrics(self, start_response: StartResponse) -> Iterable[bytes]:
+        try:
+            from . import metrics
+        except ImportError as e:
+            raise HTTPError("501 Not Implemented", str(e)) from None
+        if self._metrics is None:
+            self._metrics = metrics.registry(self.database, self.statements)
+        data = metrics.exposition(self._metrics)
+        start_response("200 OK", [("Content-Type", metrics.CONTENT_TYPE), ("Content-Length", str(len(data)))])
+        return [data]
+
+    # -- actions -----------------------------------------------------------------
+    def act(self, environ: Environ) -> str:
+        """Check and perform one action; returns where to go next."""
+        if not self.actions:
+            raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
+        _same_origin(environ)
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        form = dict(urllib.parse.parse_qsl(environ["wsgi.input"].read(min(length, 10_000)).decode()))
+        if not hmac.compare_digest(form.get("token", ""), self.token):
+            raise HTTPError("403 Forbidden", "the form's token is missing or stale: reload the page")
+        action = form.get("action", "")
+        ring, db, st = self.ring, self.database, self.statements
+        if action == "cancel":
+            outcome = admin.cancel(
+                db, st, form.get("message_id", ""), channel=self.settings.channel, listen=self.settings.listen
+            )
+            note = f"cancel: {outcome.value}"
+        elif action == "redrive":
+            done = admin.redrive(db, st, [form.get("message_id", "")], ring)
+            note = "re-driven" if done.redriven else f"not re-driven: {'; '.join(done.skipped.values())}"
+        elif action == "redrive_queue":
+            again = FINISHED_STATES if form.get("state") == "all" else (form.get("state") or "dead",)
+            done = admin.redrive_queue(db, st, form.get("queue", ""), again, ring)
+            note = f"re-driven: {len(done.redriven)}, skipped: {len(done.skipped)}"
+        elif action == "pause":
+            note = "paused" if admin.pause(db, st, form.get("queue", "")) else "was paused already"
+        elif action == "resume":
+            note = "resumed" if admin.resume(db, st, form.get("queue", ""), ring) else "was not paused"
+        elif action == "purge":
+            if form.get("confirm") != "yes":
+                raise HTTPError("400 Bad Request", "tick the box to confirm the purge")
+            state = form.get("state") or "all"
+            states = admin.PURGEABLE if state == "all" else (state,)
+            deleted = admin.purge_queue(db, st, form.get("queue", ""), states)
+            note = "purged: " + ", ".join(f"{k} {v}" for k, v in deleted.items())
+        else:
+            raise HTTPError("400 Bad Request", f"unknown action {action!r}")
+        logger.info("Dashboard action %s: %s", action, note)
+        target = form.get("next", "/")
+        if not target.startswith("/") or target.startswith("//"):
+            target = "/"  # never a redirect elsewhere
+        joiner = "&" if "?" in target else "?"
+        return f"{target}{joiner}{urllib.parse.urlencode({'note': note})}"
+
+    def _form(self, action: str, label: str, fields: dict[str, str], next_url: str, extra: str = "") -> str:
+        if not self.actions:
+            return ""
+        hidden = "".join(
+            f'<input type=hidden name="{_e(k)}" value="{_e(v)}">'
+            for k, v in {"token": self.token, "action": action, "next": next_url, **fields}.items()
+        )
+        return f'<form method=post action="/action" class=inline>{hidden}{extra}<button name=do value="{_e(action)}">{_e(label)}</button></form>'
+
+    # -- pages -------------------------------------------------------------------
+    def queues_page(self, query: dict[str, str]) -> str:
+        queues = admin.overview(self.database, self.statements, cap=COUNT_CAP + 1)
+        heads = ["queue", "due", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
+                 "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
+        rows = []
+        for q in queues:
+            name = q["queue"]
+            link = _link("/messages", queue=name, state="queued")
+            paused = " <span class=badge>paused</span>" if q["paused_since"] else ""
+            actions = ""
+            if self.actions:
+                toggle = ("resume", "Resume") if q["paused_since"] else ("pause", "Pause")
+                purge_extra = (
+                    '<select name=state aria-label="state to purge">'
+                    + "".join(f"<option>{s}</option>" for s in ("all", *admin.PURGEABLE))
+                    + "</select><label><input type=checkbox name=confirm value=yes required> sure</label>"
+                )
+                actions = (
+                    self._form(toggle[0], toggle[1], {"queue": name}, "/")
+                    + self._form("redrive_queue", "Re-drive dead", {"queue": name, "state": "dead"}, "/")
+                    + self._form("purge", "Purge", {"queue": name}, "/", purge_extra)
+                )
+            cells = [
+                f'<a href="{link}">{_e(name)}</a>{paused}',
+                _count(q["due"]),
+                _count(q["delayed"]),
+                _count(q["running"]),
+                _count(q["expired_leases"]),
+                f'<a href="{_link("/messages", queue=name, state="dead")}">{_count(q["dead"])}</a>',
+                f'<a href="{_link("/messages", queue=name, state="cancelled")}">{_count(q["cancelled"])}</a>',
+                _count(q["done_last_minute"]),
+                f'<a href="{_link("/messages", queue=name, state="done")}">{_count(q["done_last_hour"])}</a>',
+                _count(q["dead_last_hour"]),
+                _count(q["stale_writes"]),
+                _age(q["oldest_due_seconds"]),
+                actions,
+            ]
+            rows.append(cells)
+        table = _table(heads, rows, cls="queues") if rows else "<p>No messages in any queue.</p>"
+        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Running includes prefetched messages.</p>"
+        return self.layout("Queues", _note(query) + table + note)
+
+    def messages_page(self, query: dict[str, str]) -> str:
+        queue = query.get("queue", "")
+        state = query.get("state", "queued")
+        actor = query.get("actor", "").strip()
+        names = [q["queue"] for q in admin.overview(self.database, self.statements, cap=1)]
+        if not queue and names:
+            queue = names[0]
+        if queue and queue not in names:
+            names.append(queue)
+        options = "".join(f"<option{' selected' if n == queue else ''}>{_e(n)}</option>" for n in names)
+        states = "".join(f"<option{' selected' if s == state else ''}>{s}</option>" for s in admin.LISTABLE)
+        form = (
+            '<form method=get action="/messages" class=filters>'
+            f"<label>queue <select name=queue id=queue>{options}</select></label> "
+            f"<label>state <select name=state id=state>{states}</select></label> "
+            f'<label>actor <input name=actor id=actor value="{_e(actor)}" placeholder="any"></label> '
+            "<button id=filter>Filter</button></form>"
+        )
+        if not queue:
+            return self.layout("Messages", form + "<p>No queues yet.</p>")
+        check_queue(queue)
+        page = admin.list_messages(
+            self.database, self.statements, queue, state, actor=actor or None, after=query.get("after"), limit=PAGE_SIZE
+        )
+        when = {"queued": "due", "running": "lease until", "done": "claimed"}.get(state, "due")
+        heads = [
+            "message",
+            "actor",
+            "state",
+            "attempt",
+            "priority",
+            "enqueued",
+            when,
+            "finished",
+            "holder",
+            "last error",
+        ]
+        rows = [
+            [
+                f'<a href="/message/{_e(r["message_id"])}" class=mid>{_e(r["message_id"])}</a>',
+                _e(r["actor_name"]),
+                _e(r["state"]),
+                str(r["attempt"]),
+                str(r["priority"]),
+                _time(r["enqueued_at"], short=True),
+                _time(r["at"], short=True),
+                _time(r["finished_at"], short=True),
+                _e(r["lease_holder"] or ""),
+                f"<span class=err>{_e((r['last_error'] or '').strip().splitlines()[-1:][0] if r['last_error'] else '')}</span>",
+            ]
+            for r in page.rows
+        ]
+        order = {
+            "queued": "next to run first",
+            "running": "newest first",
+        }.get(state, "most recently finished first")
+        body = form + f"<p class=note>{_e(queue)}, {_e(state)}: {order}; times in UTC.</p>"
+        body += _table(heads, rows, cls="messages") if rows else "<p id=empty>No messages.</p>"
+        if page.searched:
+            body += (
+                f"<p class=note id=searched>Searched {page.searched:,} messages for this actor; more may follow.</p>"
+            )
+        if page.next:
+            body += f'<p><a id=next href="{_link("/messages", queue=queue, state=state, actor=actor, after=page.next)}">Next page</a></p>'
+        return self.layout("Messages", _note(query) + body)
+
+    def message_page(self, message_id: str, query: dict[str, str]) -> str:
+        message_id = admin.check_message_id(urllib.parse.unquote(message_id))
+        info = admin.inspect(self.database, self.statements, message_id)
+        if info is None:
+            raise HTTPError("404 Not Found", f"no message {message_id} (unknown, or finished longer ago than kept)")
+        here = f"/message/{message_id}"
+        fields = [
+            ("state", f"<span id=state>{_e(info['state'])}</span>"),
+            (
+                "queue",
+                f'<a href="{_link("/messages", queue=info["queue_name"], state=info["state"])}">{_e(info["queue_name"])}</a>',
+            ),
+            ("actor", _e(info["actor_name"])),
+            ("attempt", f"{info['attempt']} (deliveries so far)"),
+            ("retries", _e(str(info.get("retries")))),
+            ("priority", str(info["priority"])),
+            ("enqueued", _time(info["enqueued_at"])),
+            ("due", _time(info["available_at"])),
+            ("claimed", _time(info["claimed_at"])),
+            ("lease until", _time(info["lease_expires_at"])),
+            ("lease holder", _e(info["lease_holder"] or "")),
+            ("finished", _time(info["finished_at"])),
+            ("ran", _age(info["ran_seconds"])),
+        ]
+        body = _note(query) + "<table class=fields>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in fields)
+        body += "</table>"
+        if "decode_error" in info:
+            body += f"<p class=error>Payload not decodable here: {_e(info['decode_error'])}</p>"
+        else:
+            body += "<h2>Arguments</h2><pre id=args>" + _e(_json({"args": info["args"], "kwargs": info["kwargs"]}))
+            body += "</pre><h2>Options</h2><pre>" + _e(_json(info["options"])) + "</pre>"
+        if info["last_error"]:
+            body += f"<h2>Last error</h2><pre class=err>{_e(info['last_error'])}</pre>"
+        if info["history"]:
+            heads = ["finished", "attempt", "holder", "ran"]
+            rows = [[_time(h["finished_at"]), str(h["attempt"]), _e(h["lease_holder"] or ""), _age(h["ran_seconds"])]
+                    for h in info["history"]]  # fmt: skip
+            body += "<h2>History</h2>" + _table(heads, rows)
+        if self.actions:
+            buttons = ""
+            if info["state"] in ("queued", "running"):
+                buttons += self._form("cancel", "Cancel", {"message_id": message_id}, here)
+            if info["state"] in FINISHED_STATES:
+                buttons += self._form("redrive", "Re-drive", {"message_id": message_id}, here)
+            body += f"<p class=actions>{buttons}</p>" if buttons else ""
+        return self.layout(f"Message {message_id}", body)
+
+    def layout(self, title: str, body: str) -> str:
+        mode = "actions on" if self.actions else "read-only"
+        return f"""<!doctype html><html lang=en><head><meta charset=utf-8>
+<meta name=viewport content="width=device-width, initial-scale=1"><title>{_e(title)} · dramatiq-pg-fenced</title>
+<style>{_CSS}</style></head><body>
+<header><b>dramatiq-pg-fenced</b> <span class=schema>schema {_e(self.settings.schema)}</span>
+<nav><a href="/">Queues</a> <a href="/messages">Messages</a> <a href="/metrics">Metrics</a></nav>
+<span class=mode>{mode}</span></header>
+<main><h1>{_e(title)}</h1>{body}</main></body></html>"""
+
+
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
+header{display:flex;gap:1.5em;align-items:center;padding:.6em 1.2em;background:#1d2330;color:#fff}
+header a{color:#cfe0ff;margin-right:1em;text-decoration:none}header .mode{margin-left:auto;opacity:.8}
+.schema{opacity:.7}main{padding:1em 1.2em}h1{font-size:1.3em;margin:.2em 0 .8em}h2{font-size:1.05em;margin-top:1.4em}
+table{border-collapse:collapse;background:#fff;box-shadow:0 1px 2px #0002}
+th,td{padding:.35em .7em;border-bottom:1px solid #e4e7ec;text-align:left;vertical-align:top}
+th{background:#eef1f5;font-weight:600}td{font-variant-numeric:tabular-nums}
+table.fields th{width:9em}.badge{background:#f0b429;color:#000;border-radius:3px;padding:0 .4em;font-size:.85em}
+.err{color:#b42318}pre{background:#fff;padding:.7em;overflow:auto;max-width:100%;box-shadow:0 1px 2px #0002}
+pre.err{white-space:pre-wrap}.note{color:#5b6476}.error{color:#b42318;font-weight:600}
+.flash{background:#e7f5ec;border-left:4px solid #2f9e5b;padding:.4em .8em}
+form.inline{display:inline-block;margin:0 .3em .2em 0}.filters{margin-bottom:1em}
+button{cursor:pointer}a.mid{font-family:ui-monospace,monospace;font-size:.92em}
+a.mid,time{white-space:nowrap}table.messages{font-size:13px}table.messages td,table.messages th{padding:.35em .5em}
+.err{overflow-wrap:anywhere}
+"""
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _link(path: str, **params: str) -> str:
+    return _e(f"{path}?{urllib.parse.urlencode({k: v for k, v in params.items() if v})}")
+
+
+def _note(query: dict[str, str]) -> str:
+    note = query.get("note")
+    return f"<p class=flash id=flash>{_e(note)}</p>" if note else ""
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return ""
+    return f"{COUNT_CAP:,}+" if n > COUNT_CAP else f"{n:,}"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _time(value: datetime | None, short: bool = False) -> str:
+    """A time in UTC; *short* (in lists) without the year, the full time as its tooltip."""
+    if value is None:
+        return ""
+    utc = value.astimezone(timezone.utc)
+    full = utc.strftime("%Y-%m-%d %H:%M:%S UTC")
+    if not short:
+        return _e(full)
+    return f'<time title="{_e(full)}">{_e(utc.strftime("%m-%d %H:%M:%S"))}</time>'
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, default=repr, ensure_ascii=False)
+
+
+def _table(heads: list[str], rows: list[list[str]], cls: str = "") -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table class={cls or 'plain'}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _same_origin(environ: Environ) -> None:
+    """Refuse a request another site's page made (the token is the main guard; this is the second)."""
+    if environ.get("HTTP_SEC_FETCH_SITE") == "cross-site":
+        raise HTTPError("403 Forbidden", "cross-site request refused")
+    origin = environ.get("HTTP_ORIGIN")
+    if origin and origin != "null":
+        host = environ.get("HTTP_HOST") or environ.get("SERVER_NAME", "")
+        if urllib.parse.urlsplit(origin).netloc != host:
+            raise HTTPError("403 Forbidden", "cross-origin request refused")
+
+
+def dashboard_app(
+    broker: Any, *, actions: bool = False, ring: bool | None = None, secret: str | None = None
+) -> Dashboard:
+    """The dashboard over *broker*'s database and schema (a ``PostgresBroker``): a WSGI app to mount."""
+    return Dashboard(broker.database, broker.statements, broker.settings, actions=actions, ring=ring, secret=secret)
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.info("%s %s", self.address_string(), format % args)
+
+
+def make_dashboard_server(app: Dashboard, host: str = "127.0.0.1", port: int = 8080) -> WSGIServer:
+    """A threaded WSGI server for *app* (``serve_forever()`` it; ``port=0`` picks a free one)."""
+    return make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)

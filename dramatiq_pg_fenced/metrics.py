@@ -1,0 +1,126 @@
+"""Prometheus metrics from the database side, with the official ``prometheus_client``.
+
+Dramatiq's own ``Prometheus`` middleware counts what each worker process does
+(messages processed, errors, durations).  These are the queue's side, read
+from the tables on each scrape, whoever runs the workers: the same figures in
+every scrape of every replica, so scrape one of them.
+
+=====================================  =======  ==========================================
+name                                   type     meaning (labels)
+=====================================  =======  ==========================================
+``dramatiq_pg_up``                     gauge    1 if the database answered this scrape
+``dramatiq_pg_messages``               gauge    messages by ``queue`` and ``state``: due,
+                                                delayed, running (prefetched included),
+                                                dead, cancelled
+``dramatiq_pg_oldest_due_age_seconds`` gauge    how long the oldest due message has waited
+                                                (``queue``; 0 when none is due)
+``dramatiq_pg_expired_leases``         gauge    running messages whose lease has expired
+                                                and which the next rescue puts back (``queue``)
+``dramatiq_pg_queue_paused``           gauge    1 while the ``queue`` is paused
+``dramatiq_pg_done_last_minute``       gauge    messages acked in the last 60 s (``queue``)
+``dramatiq_pg_done_last_hour``         gauge    messages acked in the last hour (``queue``)
+``dramatiq_pg_dead_last_hour``         gauge    messages dead-lettered in the last hour (``queue``)
+``dramatiq_pg_redeliveries_total``     counter  expired leases put back for redelivery
+``dramatiq_pg_stale_writes_total``     counter  fenced-out writes of stale deliveries (``queue``;
+                                                ``""``: queue not known or not listed)
+=====================================  =======  ==========================================
+
+Counts are exact (each scrape reads the claim index of every queue); the
+"last minute / hour" figures come from per-minute tallies the ack and nack
+statements keep (see ``sql.py``), history kept or not.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from . import admin
+from .database import Database
+from .sql import Statements
+
+try:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as e:  # pragma: no cover - the 'prometheus' extra
+    raise ImportError(
+        "dramatiq_pg_fenced.metrics needs prometheus_client: pip install 'dramatiq-pg-fenced[prometheus]'"
+    ) from e
+
+#: Content type of the text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATES = ("due", "delayed", "running", "dead", "cancelled")
+
+logger = logging.getLogger(__name__)
+
+
+class QueueCollector(Collector):
+    """Reads the queues' figures from the database on every ``collect()``."""
+
+    def __init__(self, database: Database, statements: Statements) -> None:
+        self.database = database
+        self.statements = statements
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("dramatiq_pg_up", "1 if the database answered this scrape")
+        try:
+            queues = admin.overview(self.database, self.statements)
+            counters = admin.counters(self.database, self.statements)
+        except Exception as e:  # a scrape must still answer: up 0 says why there is nothing else
+            logger.warning("Metrics: cannot read the queues: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families(queues, counters)
+
+
+def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator[Metric]:
+    """The metric families for an :func:`.admin.overview` and the counters (pure: no database)."""
+    messages = GaugeMetricFamily("dramatiq_pg_messages", "Messages by queue and state", labels=["queue", "state"])
+    oldest = GaugeMetricFamily("dramatiq_pg_oldest_due_age_seconds", "Age of the oldest due message", labels=["queue"])
+    expired = GaugeMetricFamily(
+        "dramatiq_pg_expired_leases", "Running messages with an expired lease", labels=["queue"]
+    )
+    paused = GaugeMetricFamily("dramatiq_pg_queue_paused", "1 while the queue is paused", labels=["queue"])
+    done_1m = GaugeMetricFamily("dramatiq_pg_done_last_minute", "Messages acked in the last 60 s", labels=["queue"])
+    done_1h = GaugeMetricFamily("dramatiq_pg_done_last_hour", "Messages acked in the last hour", labels=["queue"])
+    dead_1h = GaugeMetricFamily(
+        "dramatiq_pg_dead_last_hour", "Messages dead-lettered in the last hour", labels=["queue"]
+    )
+    for q in queues:
+        name = q["queue"]
+        for state in STATES:
+            messages.add_metric([name, state], q[state])
+        oldest.add_metric([name], q["oldest_due_seconds"] or 0.0)
+        expired.add_metric([name], q["expired_leases"])
+        paused.add_metric([name], 1 if q["paused_since"] is not None else 0)
+        done_1m.add_metric([name], q["done_last_minute"])
+        done_1h.add_metric([name], q["done_last_hour"])
+        dead_1h.add_metric([name], q["dead_last_hour"])
+    yield from (messages, oldest, expired, paused, done_1m, done_1h, dead_1h)
+    redeliveries = CounterMetricFamily("dramatiq_pg_redeliveries", "Expired leases put back for redelivery")
+    redeliveries.add_metric([], counters.get("redeliveries", 0))
+    stale = CounterMetricFamily("dramatiq_pg_stale_writes", "Fenced-out writes of stale deliveries", labels=["queue"])
+    known = 0
+    for q in queues:
+        stale.add_metric([q["queue"]], q["stale_writes"])
+        known += q["stale_writes"]
+    # Writes whose queue was not known (result writes) or whose queue has no rows left.
+    stale.add_metric([""], max(counters.get("stale_writes", 0) - known, 0))
+    yield from (redeliveries, stale)
+
+
+def registry(database: Database, statements: Statements) -> CollectorRegistry:
+    """A registry holding only the queue collector (not this process's own metrics)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(QueueCollector(database, statements))
+    return reg
+
+
+def exposition(reg: CollectorRegistry) -> bytes:
+    """The text exposition of *reg*, as ``/metrics`` serves it."""
+    return generate_latest(reg)
