@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
@@ -291,6 +291,27 @@ class PostgresBroker(SkipNoopHooks, Broker):
     def why_not_start(self, message: PostgresMessageProxy) -> str | None:
         """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
         return self.parts.gate.why_not(message)
+
+    def release_unstarted(self) -> int:
+        """Put every prefetched delivery that has not started back in its queue, now (fenced).
+
+        Called as a worker begins to shut down (``FencedDelivery``), so other
+        workers take them at once instead of after this one's running actors
+        finish.  A worker thread that picks one of them up afterwards skips it.
+        """
+        parts = self._parts
+        if parts is None or parts.pid != os.getpid():
+            return 0
+        unstarted = parts.leases.drain()
+        if not unstarted:
+            return 0
+        try:
+            released = parts.writer.release(unstarted)
+        except ConnectionClosed:
+            self.logger.warning("Could not release %d prefetched message(s); their leases will lapse.", len(unstarted))
+            return 0
+        self.logger.info("Released %d prefetched message(s) that had not started.", len(released))
+        return len(released)
 
     @contextmanager
     def with_ack(self) -> Iterator[None]:

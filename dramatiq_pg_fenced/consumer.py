@@ -270,7 +270,7 @@ class PostgresConsumer(Consumer):
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Release unstarted messages at once (fenced; the attempt stays)."""
-        proxies = [m for m in messages if isinstance(m, PostgresMessageProxy) and not m.settled]
+        proxies = [m for m in messages if isinstance(m, PostgresMessageProxy) and not m.settled and self._still_held(m)]
         if self.buffer:
             proxies.extend(self.buffer)
             self.buffer.clear()
@@ -280,6 +280,10 @@ class PostgresConsumer(Consumer):
         # the writer forgets them either way, or they would hold prefetch slots.
         released = self.writer.requeue(proxies)
         self.logger.info("Released %d unstarted message(s).", len(released))
+
+    def _still_held(self, message: PostgresMessageProxy) -> bool:
+        held = self.leases.held(message.message_id)
+        return held is not None and held.delivery == message.delivery  # not released at shutdown already
 
     def close(self) -> None:
         if self._doorbell is not None and self.wake is not None:

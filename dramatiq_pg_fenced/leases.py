@@ -45,6 +45,8 @@ class Leases:
         self._held: dict[str, Held] = {}  # by message id
         self._lost: set[str] = set()
         self._settled: set[str] = set()  # outcome handed to the writer, not yet written
+        self._started: set[str] = set()  # passed the start gate: its actor runs (or ran)
+        self._draining = False  # the worker shuts down: claim nothing more
         self._per_queue: Counter[str] = Counter()
         self._settled_per_queue: Counter[str] = Counter()
         self.claims = 0  #: deliveries held since the process started (maintenance vacuums by it)
@@ -59,6 +61,7 @@ class Leases:
                 self._per_queue[old.queue_name] -= 1
                 self._per_queue[queue_name] += 1
                 self._lost.discard(message_id)
+                self._started.discard(message_id)
                 if message_id in self._settled:
                     self._settled.discard(message_id)
                     self._settled_per_queue[old.queue_name] -= 1
@@ -72,6 +75,7 @@ class Leases:
                 del self._held[message_id]
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
+                self._started.discard(message_id)
                 if message_id in self._settled:
                     self._settled.discard(message_id)
                     self._settled_per_queue[held[0]] -= 1
@@ -103,12 +107,35 @@ class Leases:
             return self._capacity(queue_name, prefetch)
 
     def _capacity(self, queue_name: str, prefetch: int) -> int:
+        if self._draining:
+            return 0
         return room(prefetch, self._per_queue[queue_name], self._settled_per_queue[queue_name])
 
     def wait_for_capacity(self, queue_name: str, prefetch: int, timeout: float) -> bool:
         """Wait until :meth:`capacity` is positive (a consumer at its prefetch)."""
         with self._freed:
             return self._freed.wait_for(lambda: self._capacity(queue_name, prefetch) > 0, timeout)
+
+    def start(self, message_id: str, delivery: str) -> bool:
+        """Mark the delivery started, if this process still holds it and it was not lost; atomically,
+        so :meth:`unstarted` never hands back a delivery whose actor runs."""
+        with self._lock:
+            held = self._held.get(message_id)
+            if held is None or held.delivery != delivery or message_id in self._lost:
+                return False
+            self._started.add(message_id)
+            return True
+
+    def drain(self) -> list[tuple[str, Held]]:
+        """The worker shuts down: claim nothing more (capacity is 0 from now on), and return every held
+        delivery that has not started and has no outcome on its way (prefetched only)."""
+        with self._lock:
+            self._draining = True
+            return [
+                (mid, held)
+                for mid, held in self._held.items()
+                if mid not in self._started and mid not in self._settled and mid not in self._lost
+            ]
 
     def is_lost(self, message_id: str) -> bool:
         with self._lock:
@@ -182,6 +209,8 @@ class StartGate:
                 row = (1,)  # cannot tell: run it (at-least-once); its outcome is fenced either way
             if row is None:
                 reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
+        if reason is None and not self.leases.start(message.message_id, message.delivery):
+            reason = "it was released (the worker is shutting down) or lost meanwhile"
         if reason is not None:
             message.settled = True
             self.leases.release(message.message_id, message.delivery)

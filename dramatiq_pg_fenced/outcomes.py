@@ -38,7 +38,7 @@ from .database import Database
 from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
 from .errors import PayloadTooLarge, SchemaError, lost_connection, refusal, worth_retrying
 from .fencing import Miss, StaleWrites, State, Write
-from .leases import Leases
+from .leases import Held, Leases
 from .reconnect import RETRY_INTERVAL
 from .sql import BIGINT_MAX, Statements, rate_limits_channel, results_channel
 
@@ -511,26 +511,29 @@ class OutcomeWriter:
         Returns the ids released.  Raises Dramatiq's ``ConnectionClosed`` when
         the database cannot be reached (their leases then lapse).
         """
-        ids = [p.message_id for p in proxies]
-        deliveries = [p.delivery for p in proxies]
+        for p in proxies:
+            p.settled = True
+        return self.release([(p.message_id, Held(p.queue_name, p.attempt, p.delivery)) for p in proxies])
+
+    def release(self, held: list[tuple[str, Held]]) -> set[str]:
+        """Put *held* deliveries back in their queues now (fenced), and forget them; see :meth:`requeue`."""
+        ids = [mid for mid, _ in held]
+        deliveries = [h.delivery for _, h in held]
 
         def release(conn: psycopg.Connection) -> set[str]:
             rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
             released = {str(r[0]) for r in rows}
-            misses: list[Miss] = [
-                (Write.REQUEUE, p.message_id, p.attempt, p.delivery) for p in proxies if p.message_id not in released
-            ]
-            self.stale.report(conn, misses, queues={p.message_id: p.queue_name for p in proxies})
+            misses: list[Miss] = [(Write.REQUEUE, mid, h.attempt, h.delivery) for mid, h in held if mid not in released]
+            self.stale.report(conn, misses, queues={mid: h.queue_name for mid, h in held})
             if released and self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])
+                conn.execute(self.statements.notify, [self.settings.channel, sorted({h.queue_name for _, h in held})])
             return released
 
         try:
             return self.database.run(release, transaction=True)
         finally:
-            for p in proxies:
-                p.settled = True
-                self.leases.release(p.message_id, p.delivery)
+            for mid, h in held:
+                self.leases.release(mid, h.delivery)
 
 
 def retry_wakes(retries: list[Outcome]) -> list[str]:

@@ -230,7 +230,7 @@ def cli(url: str, schema: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
-    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.returncode == 3, (result.stdout, result.stderr)  # 3: the database refused (README, exit codes)
     assert "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -540,8 +540,11 @@ def test_operator_commands_need_what_the_readme_says(least_privilege, pgbouncer,
             conn.execute(sql.SQL(text).format(s=sql.Identifier(lp.schema), r=sql.Identifier(lp.app)))
 
     grant("GRANT USAGE ON SCHEMA {s} TO {r}")
-    grant("GRANT SELECT ON {s}.message, {s}.counter, {s}.schema_version TO {r}")
-    stats = cli(ops_url, lp.schema, "stats")
+    grant(
+        "GRANT SELECT ON {s}.message, {s}.counter, {s}.schema_version, {s}.paused_queue, {s}.throughput,"
+        " {s}.history TO {r}"
+    )
+    stats = cli(ops_url, lp.schema, "stats", "--json")
     assert stats.returncode == 0 and '"parked"' in stats.stdout, stats
     inspected = cli(ops_url, lp.schema, "inspect", m.message_id)
     assert inspected.returncode == 0 and '"queued"' in inspected.stdout, inspected

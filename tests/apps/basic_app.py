@@ -27,3 +27,12 @@ def record(n: int) -> None:
     message = CurrentMessage.get_current_message()
     with broker.database.connection() as conn:
         conn.execute(INSERT, [n, os.getpid(), message.options["attempt"]])
+
+
+@dramatiq.actor(max_retries=0)
+def hold(n: int, seconds: float) -> None:
+    """Record the start, then take *seconds* (a long task the worker is busy with)."""
+    import time
+
+    record.fn(n)
+    time.sleep(seconds)
