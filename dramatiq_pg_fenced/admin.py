@@ -447,3 +447,78 @@ def _vacuum_full(conn: psycopg.Connection, statements: Statements, table: str, l
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+class OperatorMethods:
+    """What operators do, as methods of :class:`~.broker.PostgresBroker` (a mixin: it needs the
+    broker's ``database``, ``statements``, ``channel`` and ``listen``)."""
+
+    database: Database
+    statements: Statements
+    channel: str
+    listen: bool
+
+    def cancel(self, message_id: str) -> CancelOutcome:
+        """Cancel a message so it never runs (again).
+
+        Queued messages are cancelled whatever their attempt (a retry waiting
+        for its backoff included).  A running message is marked cancelled: its
+        attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
+        an attempt: cancellation is an administrative action on the message.
+        """
+        return cancel(self.database, self.statements, message_id, channel=self.channel, listen=self.listen)
+
+    def is_cancelled(self, message_id: str) -> bool:
+        """For actors: was my message cancelled while I run?"""
+        now = state_of(self.database, self.statements, message_id)
+        return now is not None and now[0] == State.CANCELLED.value
+
+    def inspect(self, message_id: str) -> dict[str, Any] | None:
+        """What operators need to understand a message; ``None`` if unknown."""
+        return inspect(self.database, self.statements, message_id)
+
+    def redrive(self, message_id: str) -> bool:
+        """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
+
+        Returns whether it went back (``False``: unknown, or not dead or
+        cancelled).  Fenced on the state and attempt it had when read.
+        """
+        return bool(redrive(self.database, self.statements, [message_id], self._ring).redriven)
+
+    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
+        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
+        return redrive_queue(self.database, self.statements, queue_name, states, self._ring)
+
+    def purge_queue(
+        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
+    ) -> dict[str, int]:
+        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
+        return purge_queue(self.database, self.statements, queue_name, states)
+
+    def pause(self, queue_name: str) -> bool:
+        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
+        return pause(self.database, self.statements, queue_name)
+
+    def resume(self, queue_name: str) -> bool:
+        """Undo :meth:`pause`; consumers are woken at once."""
+        return resume(self.database, self.statements, queue_name, self._ring)
+
+    def list_messages(
+        self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
+    ) -> Page:
+        """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
+        return list_messages(self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit)
+
+    def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
+        """Per queue: the operator's figures (see :func:`.admin.overview`)."""
+        return overview(self.database, self.statements, cap=cap)
+
+    @property
+    def _ring(self) -> str | None:
+        return self.channel if self.listen else None
+
+    def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
+        """Give back the space a drained backlog left behind (``VACUUM (FULL)``, never queued for its
+        lock for more than *lock_timeout* seconds); returns the table's size before and after.
+        Needs the table's owner.  See :func:`.admin.compact`."""
+        return compact(self.database, self.statements, lock_timeout=lock_timeout)

@@ -25,7 +25,7 @@ from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
 from . import admin, delivery
-from .admin import CancelOutcome, Page, Redriven
+from .admin import CancelOutcome, OperatorMethods
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
@@ -44,7 +44,7 @@ from .database import Database, this_process
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .enqueue import Enqueuer
 from .errors import DeadLetterError
-from .fencing import State, Write
+from .fencing import Write
 from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
 from .outcomes import retry_outcome
@@ -52,7 +52,7 @@ from .parts import ProcessParts
 from .sql import check_queue, check_schema, statements
 
 
-class PostgresBroker(SkipNoopHooks, Broker):
+class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
     """A Dramatiq broker that keeps messages in PostgreSQL.
 
     Parameters:
@@ -292,6 +292,10 @@ class PostgresBroker(SkipNoopHooks, Broker):
         """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
         return self.parts.gate.why_not(message)
 
+    def resume_claims(self) -> None:
+        """A worker boots: claims go on (after a worker of this process shut down, they had stopped)."""
+        self.parts.leases.undrain()
+
     def release_unstarted(self) -> int:
         """Put every prefetched delivery that has not started back in its queue, now (fenced).
 
@@ -488,74 +492,6 @@ class PostgresBroker(SkipNoopHooks, Broker):
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueJoinTimeout(queue_name)
             time.sleep(interval / 1000)
-
-    # -- operations -------------------------------------------------------------
-    def cancel(self, message_id: str) -> CancelOutcome:
-        """Cancel a message so it never runs (again).
-
-        Queued messages are cancelled whatever their attempt (a retry waiting
-        for its backoff included).  A running message is marked cancelled: its
-        attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
-        an attempt: cancellation is an administrative action on the message.
-        """
-        return admin.cancel(self.database, self.statements, message_id, channel=self.channel, listen=self.listen)
-
-    def is_cancelled(self, message_id: str) -> bool:
-        """For actors: was my message cancelled while I run?"""
-        now = admin.state_of(self.database, self.statements, message_id)
-        return now is not None and now[0] == State.CANCELLED.value
-
-    def inspect(self, message_id: str) -> dict[str, Any] | None:
-        """What operators need to understand a message; ``None`` if unknown."""
-        return admin.inspect(self.database, self.statements, message_id)
-
-    def redrive(self, message_id: str) -> bool:
-        """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
-
-        Returns whether it went back (``False``: unknown, or not dead or
-        cancelled).  Fenced on the state and attempt it had when read.
-        """
-        return bool(admin.redrive(self.database, self.statements, [message_id], self._ring).redriven)
-
-    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
-        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
-        return admin.redrive_queue(self.database, self.statements, queue_name, states, self._ring)
-
-    def purge_queue(
-        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
-    ) -> dict[str, int]:
-        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
-        return admin.purge_queue(self.database, self.statements, queue_name, states)
-
-    def pause(self, queue_name: str) -> bool:
-        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
-        return admin.pause(self.database, self.statements, queue_name)
-
-    def resume(self, queue_name: str) -> bool:
-        """Undo :meth:`pause`; consumers are woken at once."""
-        return admin.resume(self.database, self.statements, queue_name, self._ring)
-
-    def list_messages(
-        self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
-    ) -> Page:
-        """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
-        return admin.list_messages(
-            self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit
-        )
-
-    def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
-        """Per queue: the operator's figures (see :func:`.admin.overview`)."""
-        return admin.overview(self.database, self.statements, cap=cap)
-
-    @property
-    def _ring(self) -> str | None:
-        return self.channel if self.listen else None
-
-    def compact(self, *, lock_timeout: float = 5.0) -> dict[str, int]:
-        """Give back the space a drained backlog left behind (``VACUUM (FULL)``, never queued for its
-        lock for more than *lock_timeout* seconds); returns the table's size before and after.
-        Needs the table's owner.  See :func:`.admin.compact`."""
-        return admin.compact(self.database, self.statements, lock_timeout=lock_timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process, totals from the database, and queue sizes."""

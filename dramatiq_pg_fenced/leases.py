@@ -126,6 +126,11 @@ class Leases:
             self._started.add(message_id)
             return True
 
+    def undrain(self) -> None:
+        """A worker starts (again) in this process: claim as usual."""
+        with self._lock:
+            self._draining = False
+
     def drain(self) -> list[tuple[str, Held]]:
         """The worker shuts down: claim nothing more (capacity is 0 from now on), and return every held
         delivery that has not started and has no outcome on its way (prefetched only)."""
