@@ -16,10 +16,8 @@ from dramatiq_pg_fenced import PostgresBroker
 pytestmark = pytest.mark.slow
 
 
-def test_dramatiq_cli_worker_processes(
-    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], dramatiq_cli: Callable[..., subprocess.Popen]
-) -> None:
-    broker = dramatiq_pg_broker_factory()
+def ledger_table(broker: PostgresBroker) -> sql.Identifier:
+    """The ledger basic_app's actors write (one row per start: n, pid, attempt); returns the schema."""
     schema = sql.Identifier(broker.schema)
     with broker.database.connection() as conn:
         conn.execute(
@@ -27,6 +25,14 @@ def test_dramatiq_cli_worker_processes(
                 "CREATE TABLE {}.ledger (n integer NOT NULL, pid integer NOT NULL, attempt integer NOT NULL)"
             ).format(schema)
         )
+    return schema
+
+
+def test_dramatiq_cli_worker_processes(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], dramatiq_cli: Callable[..., subprocess.Popen]
+) -> None:
+    broker = dramatiq_pg_broker_factory()
+    schema = ledger_table(broker)
 
     cli = dramatiq_cli(broker, "tests.apps.basic_app", "--processes", "2", "--threads", "2")
     broker.declare_queue("default")
@@ -74,13 +80,7 @@ def test_on_sigterm_prefetched_messages_go_back_at_once(
     import signal
 
     broker = dramatiq_pg_broker_factory()
-    schema = sql.Identifier(broker.schema)
-    with broker.database.connection() as conn:
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {}.ledger (n integer NOT NULL, pid integer NOT NULL, attempt integer NOT NULL)"
-            ).format(schema)
-        )
+    schema = ledger_table(broker)
     cli = dramatiq_cli(broker, "tests.apps.basic_app", "--processes", "1", "--threads", "1")
     broker.declare_queue("default")
     messages = [
