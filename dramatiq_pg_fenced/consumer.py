@@ -207,7 +207,8 @@ class PostgresConsumer(Consumer):
             "lease": self.settings.lease_seconds,
             "consumer": self.consumer_id,
         }
-        return conn.execute(self.statements.claim, params).fetchall()
+        claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
+        return conn.execute(claim, params).fetchall()
 
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""

@@ -160,10 +160,9 @@ class LeaseKeeper(Periodic):
         if not held:
             return set()
         tokens = {mid: h.delivery for mid, h in held.items()}
+        extend = self.statements.extend if self.settings.durable_outcomes else self.statements.extend_relaxed
         with self.database.connection(raw=True) as conn:
-            rows = conn.execute(
-                self.statements.extend, [self.settings.lease_seconds, list(tokens), list(tokens.values())]
-            ).fetchall()
+            rows = conn.execute(extend, [self.settings.lease_seconds, list(tokens), list(tokens.values())]).fetchall()
         lost = self.leases.mark_lost(tokens, {str(r[0]) for r in rows})
         for message_id in lost:
             self.logger.warning(

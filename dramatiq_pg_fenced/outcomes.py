@@ -333,6 +333,7 @@ class OutcomeWriter:
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
         with self.database.connection(raw=True) as conn, conn.transaction():
+            self._relax(conn)
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
                 rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.delivery for o in acks]]).fetchall()
@@ -372,6 +373,13 @@ class OutcomeWriter:
         for outcome in batch:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
+
+    def _relax(self, conn: psycopg.Connection) -> None:
+        """In the writer's (or a release's) transaction: commit without waiting for the WAL flush,
+        unless ``durable_outcomes``.  One lost in a crash makes its message run again, with what it
+        causes (results, follow-up messages, countdowns: all in the same transaction, lost together)."""
+        if not self.settings.durable_outcomes:
+            conn.execute(self.statements.relaxed_commit)
 
     def _write_effects(self, conn: psycopg.Connection, applied: list[Outcome]) -> None:
         """Follow-up messages and group countdowns of outcomes that applied, in their transaction."""
@@ -481,6 +489,7 @@ class OutcomeWriter:
         deliveries = [p.delivery for p in proxies]
 
         def release(conn: psycopg.Connection) -> set[str]:
+            self._relax(conn)
             rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
             released = {str(r[0]) for r in rows}
             misses: list[Miss] = [

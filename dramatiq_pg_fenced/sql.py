@@ -36,6 +36,14 @@ cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 ``lost_deliveries`` counts the deliveries that ended without any outcome
 (migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
 a release at shutdown is an outcome.
+
+Only the enqueue waits for the WAL flush.  Unless ``durable_outcomes=True``,
+``claim`` and ``extend`` run as their ``_relaxed`` variants, and the outcome
+writer's and shutdown release's transactions (``ack``, ``nack``, ``retry``,
+``requeue`` and what rides with them) start with ``relaxed_commit``: a crash
+may lose the last of them, and their messages run again (see _claim).
+``rescue``, ``release_unseen``, ``cancel`` and the purges stay durable (rare,
+off the hot path).
 """
 
 from __future__ import annotations
@@ -87,26 +95,20 @@ _LOST = f"""
     lease_expires_at = NULL, consumer_id = NULL
 """
 
+#: A commit that does not wait for the WAL flush, for one autocommit
+#: statement: set_config(..., true) is SET LOCAL and lasts until the commit of
+#: the statement's own implicit transaction, so it costs no extra round trip
+#: and leaves nothing on the connection (PgBouncer).  Joined to a FROM list;
+#: evaluated whenever the statement writes a row (with no row written there
+#: is no commit record to wait for).  Used by relaxed enqueues
+#: (``synchronous_commit=False``) and, unless ``durable_outcomes=True``, by
+#: claims and lease extensions.
+_RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+
 _TEMPLATES = {
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
-    # -- claim -------------------------------------------------------------
-    "claim": """
-        WITH due AS (
-            SELECT message_id FROM {schema}.message
-             WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
-             ORDER BY priority, available_at, seq
-             LIMIT %(limit)s
-             FOR UPDATE SKIP LOCKED
-        )
-        UPDATE {schema}.message AS m
-           SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
-               lease_expires_at = now() + %(lease)s * interval '1 second',
-               consumer_id = %(consumer)s
-          FROM due
-         WHERE m.message_id = due.message_id
-        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
-    """,
+    # -- claim: see _claim below ----------------------------------------------
     # Seconds until the queue's next delayed row is due (NULL: none), read
     # after a claim comes back short.  One probe of the claim index per
     # priority in use (a loose index scan), not a scan of the delayed rows.
@@ -173,13 +175,7 @@ _TEMPLATES = {
          WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
-    "extend": """
-        UPDATE {schema}.message AS m
-           SET lease_expires_at = now() + %s * interval '1 second'
-          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
-        RETURNING m.message_id, m.delivery
-    """,
+    # extend: see _extend below
     # What a stale writer is told: the row as it is now.
     "current": """
         SELECT message_id, state, attempt, delivery FROM {schema}.message WHERE message_id = ANY(%s::uuid[])
@@ -285,10 +281,6 @@ _ENQUEUE_ROWS = {
     # one message (every plain send()): scalars, about a sixth less server time than unnest
     "one": "(SELECT %b::uuid, %b::text, %b::text, %b::int, %b::bigint, %b::bytea)",
 }
-#: ``synchronous_commit=False``: set_config(..., true) is SET LOCAL and lasts
-#: until the commit of the statement's own implicit transaction, so relaxed
-#: enqueues need no extra round trip.
-_RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
 
 
 def _enqueue(rows: str, *, relaxed: bool) -> str:
@@ -312,6 +304,54 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
         )
         SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
     """
+
+
+# -- claim and lease extension, durable or relaxed -------------------------------
+# Both variants are the same statement; the relaxed one only adds _RELAXED to
+# its FROM list.  A claim lost in a crash leaves the row queued at its old
+# attempt; its next claim draws a new delivery token, so the token stays
+# unique per delivery even though the attempt number repeats.
+def _claim(*, relaxed: bool) -> str:
+    return f"""
+        WITH due AS (
+            SELECT message_id FROM {{schema}}.message
+             WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
+             ORDER BY priority, available_at, seq
+             LIMIT %(limit)s
+             FOR UPDATE SKIP LOCKED
+        )
+        UPDATE {{schema}}.message AS m
+           SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
+               lease_expires_at = now() + %(lease)s * interval '1 second',
+               consumer_id = %(consumer)s
+          FROM due{_RELAXED if relaxed else ""}
+         WHERE m.message_id = due.message_id
+        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
+    """
+
+
+def _extend(*, relaxed: bool) -> str:
+    return f"""
+        UPDATE {{schema}}.message AS m
+           SET lease_expires_at = now() + %s * interval '1 second'
+          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
+         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+        RETURNING m.message_id, m.delivery
+    """
+
+
+_TEMPLATES.update(
+    {
+        "claim": _claim(relaxed=False),
+        "claim_relaxed": _claim(relaxed=True),
+        "extend": _extend(relaxed=False),
+        "extend_relaxed": _extend(relaxed=True),
+        # The first statement of the outcome writer's and the shutdown
+        # release's transactions unless durable_outcomes=True: SET LOCAL ends
+        # with the transaction (nothing left on a pooled connection).
+        "relaxed_commit": "SET LOCAL synchronous_commit = off",
+    }
+)
 
 
 _TEMPLATES.update(
@@ -467,6 +507,7 @@ class Statements:
 
     notify: bytes
     claim: bytes
+    claim_relaxed: bytes
     next_due: bytes
     release_unseen: bytes
     ack: bytes
@@ -474,6 +515,8 @@ class Statements:
     retry: bytes
     requeue: bytes
     extend: bytes
+    extend_relaxed: bytes
+    relaxed_commit: bytes
     current: bytes
     count_stale: bytes
     counters: bytes
