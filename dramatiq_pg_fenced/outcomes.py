@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -332,8 +333,7 @@ class OutcomeWriter:
             by_kind[outcome.kind].append(outcome)
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
-        with self.database.connection(raw=True) as conn, conn.transaction():
-            self._relax(conn)
+        with self.database.connection(raw=True) as conn, self._transaction(conn):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
                 rows = conn.execute(stmts.ack, [[o.message_id for o in acks], [o.delivery for o in acks]]).fetchall()
@@ -374,12 +374,28 @@ class OutcomeWriter:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
 
-    def _relax(self, conn: psycopg.Connection) -> None:
-        """In the writer's (or a release's) transaction: commit without waiting for the WAL flush,
-        unless ``durable_outcomes``.  One lost in a crash makes its message run again, with what it
-        causes (results, follow-up messages, countdowns: all in the same transaction, lost together)."""
-        if not self.settings.durable_outcomes:
-            conn.execute(self.statements.relaxed_commit)
+    @contextmanager
+    def _transaction(self, conn: psycopg.Connection) -> Iterator[None]:
+        """The writer's (or a release's) transaction on *conn* (autocommit).
+
+        Unless ``durable_outcomes``, its commit does not wait for the WAL flush: it begins with
+        ``BEGIN; SET LOCAL synchronous_commit = off``, one round trip as a plain BEGIN.  One lost in
+        a crash makes its messages run again, with what they cause (results, follow-up messages,
+        countdowns: all in this transaction, lost together).  ``conn.transaction()`` blocks inside
+        are savepoints, as in psycopg's own transaction.
+        """
+        if self.settings.durable_outcomes:
+            with conn.transaction():
+                yield
+            return
+        conn.execute(self.statements.begin_relaxed, prepare=False)
+        try:
+            yield
+        except BaseException:
+            with suppress(psycopg.Error):  # a broken connection: the pool discards it
+                conn.rollback()
+            raise
+        conn.commit()
 
     def _write_effects(self, conn: psycopg.Connection, applied: list[Outcome]) -> None:
         """Follow-up messages and group countdowns of outcomes that applied, in their transaction."""
@@ -489,19 +505,22 @@ class OutcomeWriter:
         deliveries = [p.delivery for p in proxies]
 
         def release(conn: psycopg.Connection) -> set[str]:
-            self._relax(conn)
-            rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
-            released = {str(r[0]) for r in rows}
-            misses: list[Miss] = [
-                (Write.REQUEUE, p.message_id, p.attempt, p.delivery) for p in proxies if p.message_id not in released
-            ]
-            self.stale.report(conn, misses)
-            if released and self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, sorted({p.queue_name for p in proxies})])
+            with self._transaction(conn):
+                rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
+                released = {str(r[0]) for r in rows}
+                misses: list[Miss] = [
+                    (Write.REQUEUE, p.message_id, p.attempt, p.delivery)
+                    for p in proxies
+                    if p.message_id not in released
+                ]
+                self.stale.report(conn, misses)
+                if released and self.settings.listen:
+                    queues = sorted({p.queue_name for p in proxies})
+                    conn.execute(self.statements.notify, [self.settings.channel, queues])
             return released
 
         try:
-            return self.database.run(release, transaction=True)
+            return self.database.run(release)
         finally:
             for p in proxies:
                 p.settled = True

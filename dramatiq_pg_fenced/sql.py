@@ -40,7 +40,7 @@ a release at shutdown is an outcome.
 Only the enqueue waits for the WAL flush.  Unless ``durable_outcomes=True``,
 ``claim`` and ``extend`` run as their ``_relaxed`` variants, and the outcome
 writer's and shutdown release's transactions (``ack``, ``nack``, ``retry``,
-``requeue`` and what rides with them) start with ``relaxed_commit``: a crash
+``requeue`` and what rides with them) begin with ``begin_relaxed``: a crash
 may lose the last of them, and their messages run again (see _claim).
 ``rescue``, ``release_unseen``, ``cancel`` and the purges stay durable (rare,
 off the hot path).
@@ -346,10 +346,11 @@ _TEMPLATES.update(
         "claim_relaxed": _claim(relaxed=True),
         "extend": _extend(relaxed=False),
         "extend_relaxed": _extend(relaxed=True),
-        # The first statement of the outcome writer's and the shutdown
-        # release's transactions unless durable_outcomes=True: SET LOCAL ends
+        # How the outcome writer's and the shutdown release's transactions
+        # begin unless durable_outcomes=True: one simple query (no
+        # parameters), so one round trip, as a plain BEGIN; SET LOCAL ends
         # with the transaction (nothing left on a pooled connection).
-        "relaxed_commit": "SET LOCAL synchronous_commit = off",
+        "begin_relaxed": "BEGIN; SET LOCAL synchronous_commit = off",
     }
 )
 
@@ -516,7 +517,7 @@ class Statements:
     requeue: bytes
     extend: bytes
     extend_relaxed: bytes
-    relaxed_commit: bytes
+    begin_relaxed: bytes
     current: bytes
     count_stale: bytes
     counters: bytes

@@ -91,7 +91,7 @@ def test_relaxed_variants_and_only_they_turn_synchronous_commit_off() -> None:
         assert relaxed in getattr(s, f"{durable}_relaxed")
     for name in ("enqueue", "enqueue_one", "claim", "ack", "nack", "retry", "requeue", "extend", "rescue"):
         assert b"synchronous_commit" not in getattr(s, name)
-    assert s.relaxed_commit == b"SET LOCAL synchronous_commit = off"  # the writer's transactions
+    assert s.begin_relaxed == b"BEGIN; SET LOCAL synchronous_commit = off"  # the writer's transactions
     assert b"unnest" in s.enqueue and b"unnest" not in s.enqueue_one
     assert b'"units".message' in s.claim
 
