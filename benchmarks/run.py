@@ -43,6 +43,7 @@ Results go to ``benchmarks/results/<full|quick>.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import json
 import os
@@ -492,29 +493,33 @@ def measure_latency(
     path.write_text("")  # the workers append with O_APPEND: they follow the truncation
     time.sleep(1.0)  # idle: consumers are waiting, as they would between bursts
     start = time.monotonic()
-    calls = []
+    returned: dict[str, float] = {}  # repr(sent) -> when send() returned
     for i in range(plan.latency_count):
         pause = start + i / plan.latency_rate - time.monotonic()
         if pause > 0:
             time.sleep(pause)
         sent = time.time()
         send(sent)
-        calls.append((time.time() - sent) * 1000)
-    calls.sort()
+        returned[repr(sent)] = time.time()
+    calls = sorted((end - float(sent)) * 1000 for sent, end in returned.items())
 
     def lines() -> list[str]:
         return path.read_text().splitlines() if path.exists() else []
 
     wait_until(lambda: len(lines()) >= plan.latency_count, timeout=30, interval=0.05)
-    got = lines()
-    values = sorted((float(b) - float(a)) * 1000 for a, b in (line.split() for line in got))
+    got = [line.split() for line in lines()]
+    values = sorted((float(b) - float(a)) * 1000 for a, b in got)
     if not values:
         raise RuntimeError(f"{driver.kind}: no latency samples arrived")
+    # From send() returning to the actor starting: the delivery alone (notify, claim, hand-off).
+    after = sorted((float(b) - returned[a]) * 1000 for a, b in got if a in returned)
     return {
         "p50_ms": percentile(values, 50),
         "p99_ms": percentile(values, 99),
         "max_ms": values[-1],
         "send_call_p50_ms": percentile(calls, 50),  # part of the latency: ours is a durable commit
+        "after_send_p50_ms": percentile(after, 50),
+        "after_send_p99_ms": percentile(after, 99),
         "samples": len(values),
         "sent": plan.latency_count,
     }
@@ -545,6 +550,9 @@ def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, An
             single = measure_single(driver, plan)
             driver.fresh()
             bulk = measure_bulk(driver, plan.backlog)
+            # RabbitMQ publishes without confirms: wait until the broker holds the whole backlog,
+            # or the drain (and the start-up, clocked to its first message) would start early.
+            wait_until(held_all(driver, plan.backlog), timeout=60)
             lat_path = tmp / f"latency-{kind}-{rep}.txt"
             with running_workers(driver, tmp / f"workers-{kind}-{rep}.log", {"BENCH_LATENCY_FILE": str(lat_path)}) as w:
                 drain = measure_drain(driver, w, plan.backlog, timeout=max(120.0, plan.backlog / 200))
@@ -589,6 +597,11 @@ def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, An
             out["brokers"][kind]["connections_per_process"] = max(
                 max(d.peak_connections.values(), default=0) for d in drains
             )
+
+
+def held_all(driver: Driver, n: int) -> Callable[[], bool]:
+    """Does the broker hold (at least) *n* queued messages?"""
+    return lambda: driver.queued() >= n
 
 
 def relaxed_single(url: str, options: dict[str, Any], plan: Plan, tmp: Path) -> float:
@@ -678,13 +691,23 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
             return float(b[a][key] / b[c][key])
         return None
 
-    add("drain vs RabbitMQ", ratio("postgres", "rabbitmq", "drain_per_s"), 1.2, "x")
+    def latency(kind: str, key: str) -> float | None:
+        value = b.get(kind, {}).get("latency", {}).get(key)
+        return None if value is None else float(value)
+
+    def latency_ratio(key: str) -> float | None:
+        ours, theirs = latency("postgres", key), latency("rabbitmq", key)
+        return None if ours is None or not theirs else ours / theirs
+
+    # Issue 10's targets are ratios within one run; the absolute bulk rate is an older one.
+    add("drain vs RabbitMQ", ratio("postgres", "rabbitmq", "drain_per_s"), 1.5, "x")
     add("drain vs Redis", ratio("postgres", "redis", "drain_per_s"), 2.0, "x")
     add("single send vs Redis (ours durable)", ratio("postgres", "redis", "single_send_per_s"), 0.6, "x")
+    add("bulk enqueue vs Redis pipeline", ratio("postgres", "redis", "bulk_enqueue_per_s"), 2.0, "x")
     add("bulk enqueue", b.get("postgres", {}).get("bulk_enqueue_per_s"), 50_000, "msg/s")
-    lat = b.get("postgres", {}).get("latency", {})
-    add("idle latency p50", lat.get("p50_ms"), 2.0, "ms", higher=False)
-    add("idle latency p99", lat.get("p99_ms"), 10.0, "ms", higher=False)
+    add("idle latency p50 vs RabbitMQ", latency_ratio("p50_ms"), 1.0, "x", higher=False)
+    add("idle latency p99 vs RabbitMQ", latency_ratio("p99_ms"), 2.0, "x", higher=False)
+    add("worker start-up vs RabbitMQ", ratio("postgres", "rabbitmq", "worker_startup_s"), 1.0, "x", higher=False)
     backlog = out.get("backlog")
     if backlog:
         small, big = backlog[str(plan.small)], backlog[str(plan.big)]
@@ -719,6 +742,12 @@ def _pair(latency: dict[str, float] | None) -> str | None:
     return None if latency is None else f"{latency['p50_ms']:.2f} / {latency['p99_ms']:.2f}"
 
 
+def _after(latency: dict[str, float] | None) -> str | None:
+    if latency is None or "after_send_p50_ms" not in latency:
+        return None
+    return f"{latency['after_send_p50_ms']:.2f} / {latency['after_send_p99_ms']:.2f}"
+
+
 def table(out: dict[str, Any]) -> str:
     kinds = [k for k in KINDS if k in out["brokers"]]
     rows: list[tuple[str, list[str]]] = []
@@ -735,6 +764,7 @@ def table(out: dict[str, Any]) -> str:
     row("idle latency p50 ms", lambda f: f.get("latency", {}).get("p50_ms"), 2)
     row("idle latency p99 ms", lambda f: f.get("latency", {}).get("p99_ms"), 2)
     row("  of which the send() call, p50 ms", lambda f: f.get("latency", {}).get("send_call_p50_ms"), 2)
+    row("from send() returning to actor start, p50 / p99 ms", lambda f: _after(f.get("latency")))
     row("idle latency p50 / p99 ms, relaxed sends", lambda f: _pair(f.get("latency_relaxed_enqueue")))
     row("peak worker RSS MB/process", lambda f: f.get("peak_rss_mb_per_process"), 1)
     row("DB connections/process", lambda f: f.get("connections_per_process"))
@@ -807,8 +837,10 @@ def chart(out: dict[str, Any], path: Path) -> None:
         for x, v in zip(xs, values, strict=True):
             ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(kinds)), [labels[k] for k in kinds])
-    ax.axhline(2, color="gray", ls="--", lw=1, label="target p50 2 ms")
-    ax.axhline(10, color="gray", ls=":", lw=1, label="target p99 10 ms")
+    rabbit = b.get("rabbitmq", {}).get("latency", {})
+    if rabbit:
+        ax.axhline(rabbit["p50_ms"], color="gray", ls="--", lw=1, label="target p50: RabbitMQ's")
+        ax.axhline(2 * rabbit["p99_ms"], color="gray", ls=":", lw=1, label="target p99: 2x RabbitMQ's")
     ax.set_yscale("log")
     ax.set_title(f"idle latency send->actor start ({out['plan']['latency_rate']:.0f} msg/s)")
     ax.set_ylabel("ms (log)")
@@ -855,6 +887,21 @@ def chart(out: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def compile_sources() -> list[str]:
+    """Byte-compile this checkout's package and the benchmark's app module, as ``pip install``
+    compiles an installed wheel (and as the other brokers' packages are, in site-packages).
+
+    An editable checkout has no ``.pyc`` files, and with ``PYTHONDONTWRITEBYTECODE`` set none
+    are ever written: every worker process would compile our modules from source at start-up
+    (about 25-40 ms per process here), which a user of the package never pays.
+    """
+    done = []
+    for path in (REPO / "dramatiq_pg_fenced", REPO / "benchmarks"):
+        if compileall.compile_dir(str(path), quiet=1, maxlevels=0):
+            done.append(str(path.relative_to(REPO)))
+    return done
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(
@@ -898,6 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": plan.__dict__,
         "brokers": {k: {} for k in kinds},
     }
+    out["meta"]["byte_compiled"] = compile_sources()
     log(f"{plan.name} run, brokers {kinds}, load average {os.getloadavg()}")
     begun = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dramatiq-bench-") as tmpdir:

@@ -29,6 +29,7 @@ from .admin import CancelOutcome, OperatorMethods
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
+    DEFAULT_DURABLE_OUTCOMES,
     DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
@@ -75,6 +76,10 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
         for ``inspect`` and the dashboard (0: none kept).
       synchronous_commit: ``False`` enqueues with ``synchronous_commit = off``
         (faster; a database crash may lose the last few enqueued messages).
+      durable_outcomes: ``True`` makes claims, acks, nacks, retries, lease
+        extensions and shutdown releases wait for the WAL flush too.  By
+        default they do not: one lost in a database crash makes its message
+        run again (at-least-once), never lost; the enqueue stays durable.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
         connect_timeout: int = DEFAULT_CONNECT_TIMEOUT,
         synchronous_commit: bool = True,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -116,6 +122,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
             dead_message_ttl=dead_message_ttl,
             max_deliveries=max_deliveries,
             keep_finished=int(keep_finished),
+            durable_outcomes=bool(durable_outcomes),
         )
         self.database = Database(
             url,
@@ -160,6 +167,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
     rescue_interval = property(lambda self: self.settings.rescue_interval)
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
+    durable_outcomes = property(lambda self: self.settings.durable_outcomes)
     keep_finished = property(lambda self: self.settings.keep_finished)
 
     @property

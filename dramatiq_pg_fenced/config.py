@@ -31,6 +31,11 @@ MAX_ERROR_BYTES = 64 * 1024
 DEFAULT_BACKEND_POOL_MAX_SIZE = 4
 #: Seconds between purges of expired results and rate-limit keys, per process.
 DEFAULT_PURGE_INTERVAL = 60.0
+#: Do claims, acks, nacks, retries, lease extensions and shutdown releases wait
+#: for the WAL flush?  Not by default: one lost in a database crash makes its
+#: message run again (at-least-once allows it); only the enqueue must be
+#: durable, and it always is (unless ``synchronous_commit=False``).
+DEFAULT_DURABLE_OUTCOMES = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Settings:
     #: Deliveries without an outcome before a message is dead-lettered; ``None``: no limit.
     max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
     keep_finished: int = DEFAULT_KEEP_FINISHED
+    #: ``False``: claims, outcomes, extensions and releases commit without waiting for the WAL flush.
+    durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES
 
     @property
     def channel(self) -> str:

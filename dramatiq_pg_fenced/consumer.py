@@ -59,6 +59,11 @@ class LostClaims:
         with self._lock:
             self._by_queue.setdefault(queue_name, set()).update(consumer_ids)
 
+    def waiting(self, queue_name: str) -> bool:
+        """Is there something to put back for the queue?"""
+        with self._lock:
+            return bool(self._by_queue.get(queue_name))
+
 
 class PostgresConsumer(Consumer):
     def __init__(
@@ -97,16 +102,21 @@ class PostgresConsumer(Consumer):
         self.next_due: float | None = None
         self._timed_seen = 0
         self._due_read_at = 0.0  # monotonic; without LISTEN the next due time is read again now and then
+        # Until when no claim is needed (monotonic): the last claim came back short, so the queue had
+        # nothing more due, and the doorbell has not rung since.  Dramatiq asks for the next message
+        # right after taking one; claiming again then would find nothing, and would compete for the
+        # CPU with the worker thread starting that message.  The poll (every poll_interval) stays.
+        self._quiet_until = 0.0
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout
         while True:
             if self.buffer:
                 return self.buffer.popleft()
-            if self.wake is not None:
-                self.wake.clear()
             full = self.leases.capacity(self.queue_name, self.prefetch) <= 0
-            if not full:
+            if not full and self._claim_due():
+                if self.wake is not None:
+                    self.wake.clear()  # before the claim: a ring during it means another claim
                 self._claim(deadline - time.monotonic())
                 if self.buffer:
                     continue
@@ -118,12 +128,23 @@ class PostgresConsumer(Consumer):
                 self.leases.wait_for_capacity(self.queue_name, self.prefetch, remaining)
                 continue
             wait = min(remaining, self.settings.poll_interval)
+            if self._quiet_until:
+                wait = min(wait, max(self._quiet_until - time.monotonic(), 0.0))
             if self.next_due is not None:
                 wait = min(wait, max(self.next_due - time.monotonic(), 0.0))
             if self.wake is not None:
                 self.wake.wait(wait)
             else:
                 time.sleep(wait)
+
+    def _claim_due(self) -> bool:
+        """Must we claim now?  Not while the queue is known drained (see ``_quiet_until``)."""
+        now = time.monotonic()
+        if self.wake is None or self.wake.is_set() or now >= self._quiet_until:
+            return True
+        if self.next_due is not None and self.next_due <= now:
+            return True
+        return self.lost_claims.waiting(self.queue_name)
 
     def _claim(self, timeout: float) -> None:
         """Claim what there is room for.
@@ -137,6 +158,7 @@ class PostgresConsumer(Consumer):
         limit = self.leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
+        self._quiet_until = 0.0
         for tries in (1, 2):
             unsure = self.lost_claims.take(self.queue_name)
             try:
@@ -145,6 +167,8 @@ class PostgresConsumer(Consumer):
                         self._release_unseen(conn, unsure)
                         unsure = []
                     rows = self._claim_rows(conn, limit)
+                    if len(rows) < limit and self.wake is not None:
+                        self._quiet_until = time.monotonic() + self.settings.poll_interval
                     if len(rows) < limit and self._due_unknown():
                         row = conn.execute(self.statements.next_due, {"queue": self.queue_name}).fetchone()
                         seconds = row[0] if row else None
@@ -209,7 +233,8 @@ class PostgresConsumer(Consumer):
             "lease": self.settings.lease_seconds,
             "consumer": self.consumer_id,
         }
-        return conn.execute(self.statements.claim, params).fetchall()
+        claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
+        return conn.execute(claim, params).fetchall()
 
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""

@@ -262,8 +262,9 @@ class LeaseKeeper(Periodic):
         tokens = {mid: h.delivery for mid, h in held.items()}
         conn = self._connection()
         try:
+            extend = self.statements.extend if self.settings.durable_outcomes else self.statements.extend_relaxed
             params = {"ids": list(tokens), "deliveries": list(tokens.values()), "lease": self.settings.lease_seconds}
-            kept = {str(r[0]) for r in conn.execute(self.statements.extend, params).fetchall()}
+            kept = {str(r[0]) for r in conn.execute(extend, params).fetchall()}
             if len(kept) < len(tokens):
                 rest = {mid: token for mid, token in tokens.items() if mid not in kept}
                 rows = conn.execute(self.statements.held_elsewhere, [list(rest), list(rest.values())]).fetchall()

@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -361,7 +362,7 @@ class OutcomeWriter:
             by_kind[outcome.kind].append(outcome)
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
-        with self.database.connection(raw=True) as conn, conn.transaction():
+        with self.database.connection(raw=True) as conn, self._transaction(conn):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
                 ack = stmts.ack_keep if self.settings.keep_finished > 0 else stmts.ack
@@ -406,6 +407,29 @@ class OutcomeWriter:
         for outcome in batch:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
+
+    @contextmanager
+    def _transaction(self, conn: psycopg.Connection) -> Iterator[None]:
+        """The writer's (or a release's) transaction on *conn* (autocommit).
+
+        Unless ``durable_outcomes``, its commit does not wait for the WAL flush: it begins with
+        ``BEGIN; SET LOCAL synchronous_commit = off``, one round trip as a plain BEGIN.  One lost in
+        a crash makes its messages run again, with what they cause (results, follow-up messages,
+        countdowns: all in this transaction, lost together).  ``conn.transaction()`` blocks inside
+        are savepoints, as in psycopg's own transaction.
+        """
+        if self.settings.durable_outcomes:
+            with conn.transaction():
+                yield
+            return
+        conn.execute(self.statements.begin_relaxed, prepare=False)
+        try:
+            yield
+        except BaseException:
+            with suppress(psycopg.Error):  # a broken connection: the pool discards it
+                conn.rollback()
+            raise
+        conn.commit()
 
     def _write_effects(self, conn: psycopg.Connection, applied: list[Outcome]) -> None:
         """Follow-up messages and group countdowns of outcomes that applied, in their transaction."""
@@ -521,16 +545,21 @@ class OutcomeWriter:
         deliveries = [h.delivery for _, h in held]
 
         def release(conn: psycopg.Connection) -> set[str]:
-            rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
-            released = {str(r[0]) for r in rows}
-            misses: list[Miss] = [(Write.REQUEUE, mid, h.attempt, h.delivery) for mid, h in held if mid not in released]
-            self.stale.report(conn, misses, queues={mid: h.queue_name for mid, h in held})
-            if released and self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, sorted({h.queue_name for _, h in held})])
+            with self._transaction(conn):
+                rows = conn.execute(self.statements.requeue, [ids, deliveries]).fetchall()
+                released = {str(r[0]) for r in rows}
+                misses: list[Miss] = [
+                    (Write.REQUEUE, mid, h.attempt, h.delivery) for mid, h in held if mid not in released
+                ]
+                self.stale.report(conn, misses, queues={mid: h.queue_name for mid, h in held})
+                if released and self.settings.listen:
+                    conn.execute(
+                        self.statements.notify, [self.settings.channel, sorted({h.queue_name for _, h in held})]
+                    )
             return released
 
         try:
-            return self.database.run(release, transaction=True)
+            return self.database.run(release)
         finally:
             for mid, h in held:
                 self.leases.release(mid, h.delivery)

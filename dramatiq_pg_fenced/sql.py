@@ -47,6 +47,14 @@ a release at shutdown is an outcome.
 ``history`` is a table of its own (acked messages, state ``done`` for
 readers); ``paused_queue`` and ``throughput`` (outcomes per minute) serve the
 operator's console.
+
+Only the enqueue waits for the WAL flush.  Unless ``durable_outcomes=True``,
+``claim`` and ``extend`` run as their ``_relaxed`` variants, and the outcome
+writer's and shutdown release's transactions (``ack``, ``nack``, ``retry``,
+``requeue`` and what rides with them) begin with ``begin_relaxed``: a crash
+may lose the last of them, and their messages run again (see _claim).
+``rescue``, ``release_unseen``, ``cancel`` and the purges stay durable (rare,
+off the hot path).
 """
 
 from __future__ import annotations
@@ -98,29 +106,20 @@ _LOST = f"""
     lease_expires_at = NULL, consumer_id = NULL
 """
 
+#: A commit that does not wait for the WAL flush, for one autocommit
+#: statement: set_config(..., true) is SET LOCAL and lasts until the commit of
+#: the statement's own implicit transaction, so it costs no extra round trip
+#: and leaves nothing on the connection (PgBouncer).  Joined to a FROM list;
+#: evaluated whenever the statement writes a row (with no row written there
+#: is no commit record to wait for).  Used by relaxed enqueues
+#: (``synchronous_commit=False``) and, unless ``durable_outcomes=True``, by
+#: claims and lease extensions.
+_RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+
 _TEMPLATES = {
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
-    # -- claim -------------------------------------------------------------
-    # A paused queue (a row in paused_queue) is skipped: the NOT EXISTS does
-    # not depend on the row, so it runs once per claim (one primary-key probe).
-    "claim": """
-        WITH due AS (
-            SELECT message_id FROM {schema}.message
-             WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
-               AND NOT EXISTS (SELECT FROM {schema}.paused_queue AS p WHERE p.queue_name = %(queue)s)
-             ORDER BY priority, available_at, seq
-             LIMIT %(limit)s
-             FOR UPDATE SKIP LOCKED
-        )
-        UPDATE {schema}.message AS m
-           SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
-               lease_expires_at = now() + %(lease)s * interval '1 second',
-               consumer_id = %(consumer)s, claimed_at = now()
-          FROM due
-         WHERE m.message_id = due.message_id
-        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
-    """,
+    # -- claim: see _claim below ----------------------------------------------
     # Seconds until the queue's next delayed row is due (NULL: none), read
     # after a claim comes back short.  One probe of the claim index per
     # priority in use (a loose index scan), not a scan of the delayed rows.
@@ -173,25 +172,8 @@ _TEMPLATES = {
          WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
-    # SKIP LOCKED: a row some other session has locked (an operator's
-    # SELECT ... FOR UPDATE, a cancel in progress) never holds up the others;
-    # it is told apart from a lost row by held_elsewhere, which does not lock.
-    "extend": """
-        WITH mine AS (
-            SELECT m.message_id FROM {schema}.message AS m
-              JOIN unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
-                ON m.message_id = o.id AND m.delivery = o.delivery
-             WHERE m.state = 'running'
-               FOR UPDATE OF m SKIP LOCKED
-        )
-        UPDATE {schema}.message AS m
-           SET lease_expires_at = now() + %(lease)s * interval '1 second'
-          FROM mine
-         WHERE m.message_id = mine.message_id
-        RETURNING m.message_id
-    """,
-    # Of the deliveries an extension did not come back with: those still running
-    # under their token (locked by another session), not lost.
+    # extend: see _extend below.  Of the deliveries an extension did not come back with: those
+    # still running under their token (locked by another session), not lost.
     "held_elsewhere": """
         SELECT m.message_id FROM {schema}.message AS m
           JOIN unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
@@ -313,10 +295,6 @@ _ENQUEUE_ROWS = {
     # one message (every plain send()): scalars, about a sixth less server time than unnest
     "one": "(SELECT %b::uuid, %b::text, %b::text, %b::int, %b::bigint, %b::bytea)",
 }
-#: ``synchronous_commit=False``: set_config(..., true) is SET LOCAL and lasts
-#: until the commit of the statement's own implicit transaction, so relaxed
-#: enqueues need no extra round trip.
-_RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
 
 
 def _enqueue(rows: str, *, relaxed: bool) -> str:
@@ -340,6 +318,68 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
         )
         SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
     """
+
+
+# -- claim and lease extension, durable or relaxed -------------------------------
+# Both variants are the same statement; the relaxed one only adds _RELAXED to
+# its FROM list.  A claim lost in a crash leaves the row queued at its old
+# attempt; its next claim draws a new delivery token, so the token stays
+# unique per delivery even though the attempt number repeats.
+def _claim(*, relaxed: bool) -> str:
+    # A paused queue (a row in paused_queue) is skipped: the NOT EXISTS does
+    # not depend on the row, so it runs once per claim (one primary-key probe).
+    return f"""
+        WITH due AS (
+            SELECT message_id FROM {{schema}}.message
+             WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
+               AND NOT EXISTS (SELECT FROM {{schema}}.paused_queue AS p WHERE p.queue_name = %(queue)s)
+             ORDER BY priority, available_at, seq
+             LIMIT %(limit)s
+             FOR UPDATE SKIP LOCKED
+        )
+        UPDATE {{schema}}.message AS m
+           SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
+               lease_expires_at = now() + %(lease)s * interval '1 second',
+               consumer_id = %(consumer)s, claimed_at = now()
+          FROM due{_RELAXED if relaxed else ""}
+         WHERE m.message_id = due.message_id
+        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
+    """
+
+
+def _extend(*, relaxed: bool) -> str:
+    # SKIP LOCKED: a row some other session has locked (an operator's
+    # SELECT ... FOR UPDATE, a cancel in progress) never holds up the others;
+    # held_elsewhere tells it apart from a lost row without locking.
+    return f"""
+        WITH mine AS (
+            SELECT m.message_id FROM {{schema}}.message AS m
+              JOIN unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
+                ON m.message_id = o.id AND m.delivery = o.delivery
+             WHERE m.state = 'running'
+               FOR UPDATE OF m SKIP LOCKED
+        )
+        UPDATE {{schema}}.message AS m
+           SET lease_expires_at = now() + %(lease)s * interval '1 second'
+          FROM mine{_RELAXED if relaxed else ""}
+         WHERE m.message_id = mine.message_id
+        RETURNING m.message_id
+    """
+
+
+_TEMPLATES.update(
+    {
+        "claim": _claim(relaxed=False),
+        "claim_relaxed": _claim(relaxed=True),
+        "extend": _extend(relaxed=False),
+        "extend_relaxed": _extend(relaxed=True),
+        # How the outcome writer's and the shutdown release's transactions
+        # begin unless durable_outcomes=True: one simple query (no
+        # parameters), so one round trip, as a plain BEGIN; SET LOCAL ends
+        # with the transaction (nothing left on a pooled connection).
+        "begin_relaxed": "BEGIN; SET LOCAL synchronous_commit = off",
+    }
+)
 
 
 _TEMPLATES.update(
@@ -804,6 +844,7 @@ class Statements:
 
     notify: bytes
     claim: bytes
+    claim_relaxed: bytes
     next_due: bytes
     release_unseen: bytes
     ack: bytes
@@ -813,6 +854,8 @@ class Statements:
     requeue: bytes
     extend: bytes
     held_elsewhere: bytes
+    extend_relaxed: bytes
+    begin_relaxed: bytes
     current: bytes
     count_stale: bytes
     counters: bytes

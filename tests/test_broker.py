@@ -21,6 +21,7 @@ from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import CancelOutcome, DeadLetterError, PostgresBroker, SchemaError, migrations
+from dramatiq_pg_fenced.consumer import PostgresConsumer
 
 # -- helpers ------------------------------------------------------------------
 
@@ -240,6 +241,44 @@ def test_delays_nobody_heard_of_start_on_time(dramatiq_pg_broker_factory: Factor
                 later.send_with_options(args=(n,), delay=delay)
         wait_for(lambda: len(late) == 5, 20, "the delayed runs")
     assert all(0 <= s < 1.0 for s in late), late  # without reading the next due time: 1.7 s or more
+
+
+def test_a_drained_queue_is_not_claimed_again_until_the_doorbell_rings(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dramatiq asks for the next message as soon as it takes one.  When the claim that brought it
+    came back short (nothing more was due), the consumer does not claim again, which would find
+    nothing and compete for the CPU with the worker thread starting that message, until the doorbell
+    rings or the poll interval (30 s here) passes; the next message sent still comes at once."""
+    broker = dramatiq_pg_broker_factory(poll_interval=30)
+    broker.declare_queue("q")
+    claims: list[int] = []
+    real = PostgresConsumer._claim_rows
+
+    def counted(self: PostgresConsumer, conn: psycopg.Connection, limit: int) -> list[tuple]:
+        rows = real(self, conn, limit)
+        claims.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(PostgresConsumer, "_claim_rows", counted)
+    consumer = broker.consume("q", prefetch=4, timeout=300)
+    wait_for(lambda: broker.database.started_doorbell(broker.channel) is not None and next(consumer) is None)
+    time.sleep(0.5)  # the listener connected (and rang once)
+    assert next(consumer) is None
+    for n in range(2):
+        claims.clear()
+        message: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="q", actor_name="nobody", args=(n,), kwargs={}, options={}
+        )
+        sent = time.monotonic()
+        broker.enqueue(message)
+        delivered = next(consumer)
+        assert delivered is not None and delivered.message_id == message.message_id
+        assert time.monotonic() - sent < 0.25  # the doorbell, not the poll
+        assert next(consumer) is None  # the worker's next ask: nothing claimed for it
+        assert claims == [1], claims
+        consumer.ack(delivered)
+    consumer.close()
 
 
 def test_delayed_message_waits_in_the_table(broker: PostgresBroker) -> None:

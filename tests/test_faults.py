@@ -44,6 +44,7 @@ class Entry(NamedTuple):
     pid: int
     event: str
     at: dt.datetime | None = None  # the database's clock_timestamp() when it was written
+    delivery: str | None = None  # the delivery's fence token
 
 
 class Ledger:
@@ -55,18 +56,18 @@ class Ledger:
         self.conn = psycopg.connect(url, autocommit=True)
         self.conn.execute(
             sql.SQL(
-                "CREATE TABLE {}.ledger (message_id uuid NOT NULL, attempt int NOT NULL, pid int NOT NULL,"
-                " event text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                "CREATE TABLE {}.ledger (message_id uuid NOT NULL, attempt int NOT NULL, delivery uuid,"
+                " pid int NOT NULL, event text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
             ).format(self.schema)
         )
 
     def entries(self, message_id: str | None = None) -> list[Entry]:
-        query = sql.SQL("SELECT message_id, attempt, pid, event, at FROM {}.ledger").format(self.schema)
+        query = sql.SQL("SELECT message_id, attempt, pid, event, at, delivery FROM {}.ledger").format(self.schema)
         if message_id is None:
             rows = self.conn.execute(query + sql.SQL(" ORDER BY at")).fetchall()
         else:
             rows = self.conn.execute(query + sql.SQL(" WHERE message_id = %s ORDER BY at"), [message_id]).fetchall()
-        return [Entry(str(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
+        return [Entry(str(r[0]), r[1], r[2], r[3], r[4], None if r[5] is None else str(r[5])) for r in rows]
 
     def find(self, message_id: str, attempt: int, event: str) -> Entry | None:
         for entry in self.entries(message_id):
@@ -510,7 +511,12 @@ class OwnedServer:
     """A PostgreSQL server of the test's own (the machine's binaries, in a temporary folder, on a free
     port of 127.0.0.1) that it may stop, start and restart; the shared test server is never touched."""
 
-    def __init__(self) -> None:
+    #: Server settings unless the test says otherwise: the tests here crash processes, not the
+    #: machine, and a WAL write to the operating system survives a process crash without fsync.
+    SETTINGS = {"fsync": "off", "max_connections": "200"}
+
+    def __init__(self, **settings: str) -> None:
+        self.settings = {**self.SETTINGS, **settings}
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
         if not found:
             pytest.skip("no PostgreSQL server binaries (/usr/lib/postgresql/*/bin) for a server of the test's own")
@@ -546,7 +552,9 @@ class OwnedServer:
 
     def start(self) -> dt.datetime:
         """Start the server; returns when it first accepted a connection (tried every 10 ms)."""
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.datadir} -c fsync=off -c max_connections=200"
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.datadir} " + " ".join(
+            f"-c {name}={value}" for name, value in self.settings.items()
+        )
         self._pg("pg_ctl", "-D", self.datadir, "-l", os.path.join(self.datadir, "log"), "-o", options, "-W", "start")
         deadline = time.monotonic() + 60
         while True:
@@ -561,6 +569,22 @@ class OwnedServer:
     def stop(self, mode: str = "immediate") -> dt.datetime:
         """``pg_ctl stop -m mode``; returns when the server is gone."""
         self._pg("pg_ctl", "-D", self.datadir, "-m", mode, "-w", "stop")
+        return dt.datetime.now(dt.timezone.utc)
+
+    def processes(self) -> list[int]:
+        """The postmaster and its children."""
+        with open(os.path.join(self.datadir, "postmaster.pid")) as f:
+            return process_tree(int(f.readline()))
+
+    def crash(self) -> dt.datetime:
+        """SIGKILL every process of the server at once, the postmaster first (so it restarts
+        nothing): its shared memory, WAL not yet written out included, is gone.  Returns when
+        every process is reaped (a zombie postmaster would still own its lock file)."""
+        pids = self.processes()
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 60, "the server's processes to go")
         return dt.datetime.now(dt.timezone.utc)
 
     def close(self) -> None:
@@ -596,9 +620,11 @@ def outage_env(
     server, and an ``acked`` table there that a trigger fills when an ack deletes a running row."""
     apps: list[PostgresBroker] = []
 
-    def make(lease_seconds: float) -> Outage:
+    def make(lease_seconds: float, *, durable_outcomes: bool = False) -> Outage:
         monkeypatch.setenv("FAULT_POLL_INTERVAL", "1.0")  # the defaults: recovery must not rely on short ones
         monkeypatch.setenv("FAULT_RESCUE_INTERVAL", "1.0")
+        if durable_outcomes:
+            monkeypatch.setenv("FAULT_DURABLE_OUTCOMES", "1")
         env = fault_env(lease_seconds=lease_seconds, threads=4, broker_url=owned_server.url)
         app = PostgresBroker(owned_server.url, schema=env.broker.schema, lease_seconds=lease_seconds)
         apps.append(app)
@@ -607,10 +633,11 @@ def outage_env(
         with psycopg.connect(owned_server.url, autocommit=True) as conn:
             conn.execute(
                 sql.SQL(
-                    "CREATE TABLE {s}.acked (message_id uuid NOT NULL, attempt int NOT NULL,"
+                    "CREATE TABLE {s}.acked (message_id uuid NOT NULL, attempt int NOT NULL, delivery uuid,"
                     " at timestamptz NOT NULL DEFAULT clock_timestamp());"
                     " CREATE FUNCTION {s}.note_ack() RETURNS trigger LANGUAGE plpgsql AS"
-                    " $$ BEGIN INSERT INTO {acked} (message_id, attempt) VALUES (OLD.message_id, OLD.attempt);"
+                    " $$ BEGIN INSERT INTO {acked} (message_id, attempt, delivery)"
+                    " VALUES (OLD.message_id, OLD.attempt, OLD.delivery);"
                     " RETURN OLD; END $$;"
                     " CREATE TRIGGER note_ack AFTER DELETE ON {s}.message FOR EACH ROW"
                     " WHEN (OLD.state = 'running') EXECUTE FUNCTION {s}.note_ack()"
@@ -685,9 +712,11 @@ def test_work_resumes_within_seconds_of_the_database_return(outage_env: Callable
     application tries to send.  After the server accepts connections again: a send works at once;
     the running workers and the new one start work, write acks and extend the lease of the actor
     still running within seconds.  Nothing is lost, nothing runs twice, and the workers' logs tell
-    the outage in a few lines, not one per try."""
+    the outage in a few lines, not one per try.  (With durable outcomes: by default an immediate
+    stop may also undo the last claims and acks before it, and run those messages again; see
+    test_a_database_crash_loses_no_message_and_no_stale_delivery_finalizes.)"""
     lease = 40
-    outage = outage_env(lease_seconds=lease)
+    outage = outage_env(lease_seconds=lease, durable_outcomes=True)
     broker, ledger, workers = outage.env
     app, server = outage.app, outage.server
     held: Message = Message(queue_name="pause", actor_name="hold", args=("ack",), kwargs={}, options={})
@@ -755,8 +784,9 @@ def test_work_resumes_within_seconds_of_the_database_return(outage_env: Callable
 def test_work_resumes_after_terminated_connections_and_restarts(outage_env: Callable[..., Outage]) -> None:
     """While actors run: every connection of the workers terminated (pg_terminate_backend), then the
     server restarted in fast and in immediate mode (a failover behind the same address).  After each,
-    a message sent right away starts, and acks are written, within seconds; nothing runs twice."""
-    outage = outage_env(lease_seconds=30)
+    a message sent right away starts, and acks are written, within seconds; nothing runs twice
+    (with durable outcomes, as above: the immediate restart would otherwise be allowed to)."""
+    outage = outage_env(lease_seconds=30, durable_outcomes=True)
     broker, ledger, workers = outage.env
     app, server = outage.app, outage.server
     workers.start()
@@ -993,3 +1023,137 @@ def test_redelivered_messages_keep_their_place_in_the_queue(
     wait_for(lambda: (broker.inspect(held_id) or {}).get("state") == "queued", 30, "the lease to expire")
     consumer, delivered = first_delivery(broker)
     assert delivered.message_id == held_id and delivered.attempt == held.attempt + 1
+
+
+# -- 5. a database crash, with claims and outcomes that do not wait for the disk ---------------------
+def wal_flushes(url: str) -> int:
+    """The server's WAL flushes so far (``pg_stat_wal.wal_sync``), once every other client has
+    gone: a backend reports its WAL statistics when it exits (or at most once a second)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        others = (
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        )
+        wait_for(lambda: conn.execute(others).fetchone() == (0,), 30, "the other clients to go")
+        time.sleep(0.3)  # it leaves pg_stat_activity a moment before it reports
+        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@pytest.mark.slow
+def test_only_the_enqueue_waits_for_the_wal_flush() -> None:
+    """On a server of the test's own with fsync on (and a WAL writer that waits 10 s between its own
+    flushes), one message at a time goes through enqueue, claim, lease extension and an ack, nack or
+    retry, then one more is claimed and released as at shutdown.  By default only the enqueues
+    flush the WAL; with durable_outcomes=True every claim, extension, outcome and release does."""
+    server = OwnedServer(fsync="on", wal_writer_delay="10s", autovacuum="off")
+    n = 12
+    flushes: dict[bool, int] = {}
+    try:
+        for durable in (False, True):
+            schema = f"flush_{'durable' if durable else 'relaxed'}"
+            migrating = PostgresBroker(server.url, schema=schema)
+            migrating.migrate()
+            migrating.close()
+            before = wal_flushes(server.url)
+            broker = PostgresBroker(server.url, schema=schema, durable_outcomes=durable, poll_interval=0.05)
+            broker.declare_queue("q")
+            consumer = broker.consume("q", prefetch=1, timeout=100)
+
+            def deliver(broker: PostgresBroker = broker, consumer: PostgresConsumer = consumer) -> Any:
+                broker.enqueue(Message(queue_name="q", actor_name="nobody", args=(), kwargs={}, options={}))
+                return wait_for(lambda: next(consumer), 30, "a delivery")
+
+            for i in range(n):
+                proxy = deliver()
+                assert broker.parts.keeper.extend() == set()
+                if i % 3 == 0:
+                    consumer.ack(proxy)
+                elif i % 3 == 1:
+                    consumer.nack(proxy)
+                else:
+                    broker.enqueue(proxy, delay=0)  # Dramatiq's Retries: the same proxy back
+                    consumer.ack(proxy)  # a no-op after the retry
+                assert broker.flush_outcomes(timeout=10)
+            consumer.requeue([deliver()])
+            consumer.close()
+            broker.close()
+            flushes[durable] = wal_flushes(server.url) - before
+    finally:
+        server.close()
+    enqueues, others = n + 1, 3 * n + 2  # n + 1 claims, n extensions, n outcomes, one release
+    print(f"\nWAL flushes for {enqueues} enqueues and {others} claims, extensions, outcomes and releases: {flushes}")
+    assert flushes[False] <= enqueues + 3  # the WAL writer may flush once or twice meanwhile
+    assert flushes[True] >= enqueues + others
+
+
+@pytest.mark.slow
+def test_a_database_crash_loses_no_message_and_no_stale_delivery_finalizes(
+    outage_env: Callable[..., Outage],
+) -> None:
+    """Two real worker processes drain 300 messages with the default relaxed claims and outcomes.
+    Mid-drain the server's WAL writer is frozen (SIGSTOP) while some 40 more messages are claimed
+    and acked, so those commits exist only in the server's memory, as the last ones before any
+    crash do; then every server process is SIGKILLed, and the server is started again (crash
+    recovery) a second later.  The crash undoes those claims and acks: their messages run again,
+    and a claim made again hands out an attempt number a second time, under a new fence token.
+
+    Yet no message is lost (every one is acked, and its actor finished), each is acked once, and
+    every ack was written by the delivery whose token the row carried, after that delivery's actor
+    finished: no delivery from before the crash finalizes a message claimed again after it."""
+    outage = outage_env(lease_seconds=3)
+    broker, ledger, workers = outage.env
+    app, server = outage.app, outage.server
+    owned_query(outage, "ALTER SYSTEM SET autovacuum = off")  # its commits would flush our WAL
+    owned_query(outage, "SELECT pg_reload_conf()")
+    messages = work_messages(300, 0.03)
+    app.enqueue_many(messages)  # durable
+    workers.start()
+    workers.start()
+    wait_for(lambda: ledger.count("finish") >= 40, 60, "work to get going")
+    walwriter = owned_query(outage, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+    os.kill(walwriter, signal.SIGSTOP)
+    frozen_at = ledger.count("finish")
+    wait_for(
+        lambda: ledger.count("finish") >= frozen_at + 40, 60, "claims and acks that only the server's memory holds"
+    )
+    crashed = ledger.now()
+    server.crash()
+    back_at = server.start()
+    wait_for(lambda: not owned_states(outage), 120, "every message to be acked")
+    workers.stop_all()
+
+    entries = ledger.entries()
+    acked = owned_query(outage, "SELECT message_id::text, attempt, delivery::text, at FROM {s}.acked")
+    sent = {m.message_id for m in messages}
+    finished = {(e.message_id, e.delivery): e.at for e in entries if e.event == "finish"}
+    # Nothing lost: every message was acked exactly once (the crash undid some acks: those rows are
+    # gone with the acks they recorded), and by a delivery whose actor had finished by then.
+    assert Counter(mid for mid, _, _, _ in acked) == Counter(sent)
+    for mid, attempt, delivery, at in acked:
+        assert delivery is not None
+        done = finished.get((mid, delivery))
+        assert done is not None, (
+            f"message {mid} was acked by delivery {delivery} (attempt {attempt}) that never finished"
+        )
+        assert done <= at, f"message {mid} was acked by delivery {delivery} before its actor finished"
+    # A fence token is unique per delivery, even for an attempt number handed out again.
+    starts = Counter((e.message_id, e.delivery) for e in entries if e.event == "start")
+    assert [key for key, n in starts.items() if n > 1] == []
+    # The crash undid claims: an attempt number handed out twice, under two tokens.
+    tokens: defaultdict[tuple[str, int], set[str | None]] = defaultdict(set)
+    for e in entries:
+        if e.event == "start":
+            tokens[(e.message_id, e.attempt)].add(e.delivery)
+    repeated = [key for key, seen in tokens.items() if len(seen) > 1]
+    runs = Counter(e.message_id for e in entries if e.event == "start")
+    again = sum(1 for n in runs.values() if n > 1)
+    stale = int(app.stats()["totals"].get("stale_writes", 0))
+    print(
+        f"\ncrash at {crashed:%H:%M:%S.%f}, accepting again after {(back_at - crashed).total_seconds():.1f} s;"
+        f" {again} of {len(sent)} messages ran more than once; {len(repeated)} attempt numbers handed out twice"
+        f" (new tokens); {stale} stale writes fenced out"
+    )
+    assert repeated, "the crash undid no claim: nothing was tested"
+    noisy = [line for line in worker_log_lines(workers, ("ERROR", "CRITICAL"))]
+    assert not noisy, noisy

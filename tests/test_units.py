@@ -81,12 +81,17 @@ def test_stale_message_names_both_attempts() -> None:
     assert "gone" in stale_message(Write.NACK, "m", 1, None)
 
 
-def test_relaxed_enqueues_and_only_they_turn_synchronous_commit_off() -> None:
+def test_relaxed_variants_and_only_they_turn_synchronous_commit_off() -> None:
+    """Each relaxed statement is its durable one with the set_config piece joined to its FROM list."""
     s = statements("units")
-    for name in ("enqueue_relaxed", "enqueue_one_relaxed"):
-        assert b"set_config('synchronous_commit', 'off', true)" in getattr(s, name)
-    for name in ("enqueue", "enqueue_one", "claim", "ack", "nack", "retry", "extend"):
+    relaxed = b", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+    for durable in ("enqueue", "enqueue_one", "claim", "extend"):
+        without = getattr(s, f"{durable}_relaxed").replace(relaxed, b"")
+        assert b" ".join(without.split()) == b" ".join(getattr(s, durable).split())
+        assert relaxed in getattr(s, f"{durable}_relaxed")
+    for name in ("enqueue", "enqueue_one", "claim", "ack", "nack", "retry", "requeue", "extend", "rescue"):
         assert b"synchronous_commit" not in getattr(s, name)
+    assert s.begin_relaxed == b"BEGIN; SET LOCAL synchronous_commit = off"  # the writer's transactions
     assert b"unnest" in s.enqueue and b"unnest" not in s.enqueue_one
     assert b'"units".message' in s.claim
 

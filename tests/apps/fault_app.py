@@ -3,14 +3,16 @@
 Configured from the environment: ``DRAMATIQ_PG_URL``, ``DRAMATIQ_PG_SCHEMA``,
 ``FAULT_LEASE_SECONDS`` and, optionally, ``FAULT_BROKER_URL`` (the broker's
 own connections only, e.g. through a proxy the test can cut, or another server),
-``FAULT_POLL_INTERVAL`` / ``FAULT_RESCUE_INTERVAL`` (0.2 s unless set) and
-``FAULT_MAX_DELIVERIES``.  The broker's
+``FAULT_POLL_INTERVAL`` / ``FAULT_RESCUE_INTERVAL`` (0.2 s unless set),
+``FAULT_MAX_DELIVERIES`` and ``FAULT_DURABLE_OUTCOMES`` (``1``: claims and
+outcomes wait for the WAL flush, as enqueues do).  The broker's
 connections carry ``application_name = faulttest_<schema>`` so a test can
 terminate exactly them.
 
 Actors write an independent ledger (``<schema>.ledger``, created by the test)
-on connections of their own, one committed row per event, so the tests do not
-have to believe the broker's rows alone.
+on connections of their own, one committed row per event (with the delivery's
+attempt and fence token), so the tests do not have to believe the broker's
+rows alone.
 """
 
 import os
@@ -38,13 +40,14 @@ broker = PostgresBroker(
     rescue_interval=float(os.environ.get("FAULT_RESCUE_INTERVAL", "0.2")),
     poll_interval=float(os.environ.get("FAULT_POLL_INTERVAL", "0.2")),
     max_deliveries=int(os.environ.get("FAULT_MAX_DELIVERIES", DEFAULT_MAX_DELIVERIES)),
+    durable_outcomes=os.environ.get("FAULT_DURABLE_OUTCOMES") == "1",
 )
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
 
-_INSERT = sql.SQL("INSERT INTO {}.ledger (message_id, attempt, pid, event) VALUES (%s, %s, %s, %s)").format(
-    sql.Identifier(SCHEMA)
-)
+_INSERT = sql.SQL(
+    "INSERT INTO {}.ledger (message_id, attempt, delivery, pid, event) VALUES (%s, %s, %s, %s, %s)"
+).format(sql.Identifier(SCHEMA))
 _RELEASED = sql.SQL("SELECT 1 FROM {}.ledger WHERE message_id = %s AND attempt = %s AND event = 'release'").format(
     sql.Identifier(SCHEMA)
 )
@@ -72,7 +75,7 @@ def record(event: str) -> tuple[str, int]:
     message = CurrentMessage.get_current_message()
     assert message is not None
     attempt = message.options["attempt"]
-    _ledger(_INSERT, [message.message_id, attempt, os.getpid(), event])
+    _ledger(_INSERT, [message.message_id, attempt, getattr(message, "delivery", None), os.getpid(), event])
     return message.message_id, attempt
 
 

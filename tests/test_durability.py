@@ -1,0 +1,85 @@
+"""Only the enqueue waits for the disk: claims, acks, nacks, retries, lease extensions and
+shutdown releases commit with ``synchronous_commit = off`` for their own transaction, unless
+``durable_outcomes=True``; nothing is left on a pooled connection.
+
+What a database crash then does (messages run again, no message lost, no stale delivery
+finalizes) is tested with a real server crash in ``test_faults.py`` (section 5), where the
+WAL flushes are also counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.message import Message
+from helpers import Factory, running_worker, wait_for
+
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.config import DEFAULT_DURABLE_OUTCOMES
+
+
+def test_claims_and_outcomes_are_relaxed_by_default() -> None:
+    assert DEFAULT_DURABLE_OUTCOMES is False
+    assert PostgresBroker("", schema="units").durable_outcomes is False
+    assert PostgresBroker("", schema="units", durable_outcomes=True).settings.durable_outcomes is True
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_claim_and_extension_set_synchronous_commit_for_their_own_transaction(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, durable: bool
+) -> None:
+    """Run inside an explicit transaction, the statements the consumer and the lease keeper use
+    leave synchronous_commit off (relaxed) or as it was (durable); the enqueue leaves it on."""
+    broker = dramatiq_pg_broker_factory(durable_outcomes=durable)
+    broker.declare_queue("q")
+    message: Message[Any] = Message(queue_name="q", actor_name="nobody", args=(), kwargs={}, options={})
+    broker.enqueue(message)
+    stmts = broker.statements
+    claim = stmts.claim if durable else stmts.claim_relaxed
+    extend = stmts.extend if durable else stmts.extend_relaxed
+    expected = ("on",) if durable else ("off",)
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        row = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test"}).fetchone()
+        assert row is not None and str(row[0]) == message.message_id
+        assert conn.execute("SHOW synchronous_commit").fetchone() == expected
+        conn.rollback()
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        claimed = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test"}).fetchone()
+        conn.commit()
+        assert claimed is not None
+        assert conn.execute(extend, [30, [claimed[0]], [claimed[2]]]).fetchall()
+        assert conn.execute("SHOW synchronous_commit").fetchone() == expected
+        conn.rollback()
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_nothing_is_left_on_the_pooled_connection(dramatiq_pg_broker_factory: Factory, durable: bool) -> None:
+    """One pooled connection does the enqueue, the claim, the extension, the ack, a nack, a retry
+    and a shutdown release; afterwards its session setting is what it was."""
+    broker = dramatiq_pg_broker_factory(durable_outcomes=durable, pool_max_size=1, poll_interval=0.05)
+    seen: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=1, min_backoff=10, max_backoff=10)
+    def work(n: int) -> None:
+        seen.append(n)
+        if n == 1 and seen.count(1) == 1:
+            raise RuntimeError("retried once")
+        if n == 2:
+            raise ValueError("retried, then dead-lettered")
+
+    for n in range(3):
+        work.send(n)
+    with running_worker(broker, threads=2):
+        wait_for(lambda: sorted(seen) == [0, 1, 1, 2, 2] and broker.flush_outcomes(5), 30, "the outcomes")
+        broker.parts.keeper.extend()
+    consumer = broker.consume(work.queue_name, prefetch=1, timeout=100)
+    work.send(3)
+    proxy = wait_for(lambda: next(consumer), 30, "a delivery")
+    consumer.requeue([proxy])
+    consumer.close()
+    with broker.database.connection() as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    assert broker.inspect(proxy.message_id)["state"] == "queued"  # type: ignore[index]
