@@ -269,6 +269,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
             raise QueueNotFound(queue_name)
         parts = self.parts
         parts.consumers += 1
+        parts.leases.undrain()  # a worker of this process that shut down before stopped claiming
         # The keeper extends what consumers hold; maintenance also rescues other
         # processes' expired leases, so a consuming process runs it from the start.
         parts.keeper.start()
@@ -299,10 +300,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
     def why_not_start(self, message: PostgresMessageProxy) -> str | None:
         """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
         return self.parts.gate.why_not(message)
-
-    def resume_claims(self) -> None:
-        """A worker boots: claims go on (after a worker of this process shut down, they had stopped)."""
-        self.parts.leases.undrain()
 
     def release_unstarted(self) -> int:
         """Put every prefetched delivery that has not started back in its queue, now (fenced).

@@ -40,9 +40,6 @@ class FencedDelivery(Middleware):
     a delivery's effects to its outcome.  Installed by :class:`PostgresBroker`."""
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
-        resume = getattr(broker, "resume_claims", None)
-        if resume is not None:
-            resume()  # a worker that stopped before in this process stopped claiming
         for m in broker.middleware:
             if isinstance(m, GroupCallbacks) and not getattr(m, "counts_with_the_ack", False):
                 broker.logger.warning(
