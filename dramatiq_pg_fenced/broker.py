@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.errors import ConnectionClosed, QueueJoinTimeout, QueueNotFound
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
@@ -42,18 +42,18 @@ from .config import (
 )
 from .consumer import PostgresConsumer
 from .database import Database, this_process
-from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
+from .delivery import PostgresMessageProxy, Row
 from .enqueue import Enqueuer
 from .errors import DeadLetterError
 from .fencing import Write
 from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
 from .outcomes import retry_outcome
-from .parts import ProcessParts
+from .parts import DeliveryMethods, ProcessParts
 from .sql import check_queue, check_schema, statements
 
 
-class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
+class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
     """A Dramatiq broker that keeps messages in PostgreSQL.
 
     Parameters:
@@ -222,24 +222,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
             return True
         return parts.writer.flush(timeout)
 
-    def holds(self, message: Any) -> bool:
-        """Is *message* a delivery of ours, held by this process at its attempt and not settled yet?"""
-        parts = self._parts
-        if not isinstance(message, PostgresMessageProxy) or message.settled:
-            return False
-        if parts is None or parts.pid != os.getpid():
-            return False
-        held = parts.leases.held(message.message_id)
-        return held is not None and held.delivery == message.delivery
-
-    def submit_result(self, message: PostgresMessageProxy, write: ResultWrite) -> None:
-        """Write *write* with (or right after) the outcome of this delivery, only if that outcome applied."""
-        outcome = Outcome(
-            Write.RESULT, message.message_id, message.attempt, message.delivery, queue_name=message.queue_name
-        )
-        outcome.result = write
-        self.parts.writer.submit(outcome)
-
     def _priority_of(self, actor_name: str) -> int:
         actor = self.actors.get(actor_name)
         return actor.priority if actor is not None else 0
@@ -297,41 +279,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
         doorbell.on("cancel", parts.leases.mark_cancelled)
         return doorbell
 
-    def why_not_start(self, message: PostgresMessageProxy) -> str | None:
-        """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
-        return self.parts.gate.why_not(message)
-
-    def release_unstarted(self) -> int:
-        """Put every prefetched delivery that has not started back in its queue, now (fenced).
-
-        Called as a worker begins to shut down (``FencedDelivery``), so other
-        workers take them at once instead of after this one's running actors
-        finish.  A worker thread that picks one of them up afterwards skips it.
-        """
-        parts = self._parts
-        if parts is None or parts.pid != os.getpid():
-            return 0
-        unstarted = parts.leases.drain()
-        if not unstarted:
-            return 0
-        try:
-            released = parts.writer.release(unstarted)
-        except ConnectionClosed:
-            self.logger.warning("Could not release %d prefetched message(s); their leases will lapse.", len(unstarted))
-            return 0
-        self.logger.info("Released %d prefetched message(s) that had not started.", len(released))
-        return len(released)
-
-    @contextmanager
-    def with_ack(self) -> Iterator[None]:
-        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if it applies.
-
-        By default what an actor sends is enqueued at once (as with every
-        broker), so a delivery that is later fenced out has sent it anyway.
-        """
-        with delivery.deferred():
-            yield
-
     def declare_queue(self, queue_name: str) -> None:
         """Remember the queue; no I/O (called at import time by ``@actor``)."""
         if queue_name not in self.queues:
@@ -386,17 +333,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, Broker):
             self.parts.writer.submit(outcome)
             message.settled = True
         return outcome.kind is Write.RETRY
-
-    def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:
-        """Tie a group member's barrier countdown (and the completion messages) to its outcome.
-
-        Returns ``False`` when *message* is not a delivery whose effects wait
-        for its outcome (the caller then counts down at once).
-        """
-        if delivery.deferring() is not message:
-            return False
-        message.countdowns.append(Countdown(key, ttl, [self.row(m, None) for m in completions]))
-        return True
 
     def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
         """Store many messages in one round trip and one commit."""

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+from dramatiq.errors import ConnectionClosed
+from dramatiq.message import Message
+
+from . import delivery
 from .config import Settings
 from .consumer import LostClaims
 from .database import Database
-from .fencing import StaleWrites
+from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
+from .fencing import StaleWrites, Write
 from .leases import LeaseKeeper, Leases, StartGate
 from .maintenance import Maintenance
 from .outcomes import OutcomeWriter
@@ -50,3 +57,82 @@ class ProcessParts:
         self.writer.stop()
         self.keeper.stop()
         self.maintenance.stop()
+
+
+class DeliveryMethods:
+    """What the middleware and the backends ask the broker about a delivery (a mixin of
+    :class:`~.broker.PostgresBroker`: it needs the broker's per-process ``parts`` and ``row``)."""
+
+    logger: logging.Logger
+    _parts: ProcessParts | None
+
+    @property
+    def parts(self) -> ProcessParts:
+        raise NotImplementedError
+
+    def row(self, message: Message, delay: int | None) -> Row:
+        raise NotImplementedError
+
+    def holds(self, message: Any) -> bool:
+        """Is *message* a delivery of ours, held by this process at its attempt and not settled yet?"""
+        parts = self._parts
+        if not isinstance(message, PostgresMessageProxy) or message.settled:
+            return False
+        if parts is None or parts.pid != os.getpid():
+            return False
+        held = parts.leases.held(message.message_id)
+        return held is not None and held.delivery == message.delivery
+
+    def submit_result(self, message: PostgresMessageProxy, write: ResultWrite) -> None:
+        """Write *write* with (or right after) the outcome of this delivery, only if that outcome applied."""
+        outcome = Outcome(
+            Write.RESULT, message.message_id, message.attempt, message.delivery, queue_name=message.queue_name
+        )
+        outcome.result = write
+        self.parts.writer.submit(outcome)
+
+    def why_not_start(self, message: PostgresMessageProxy) -> str | None:
+        """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""
+        return self.parts.gate.why_not(message)
+
+    def release_unstarted(self) -> int:
+        """Put every prefetched delivery that has not started back in its queue, now (fenced).
+
+        Called as a worker begins to shut down (``FencedDelivery``), so other
+        workers take them at once instead of after this one's running actors
+        finish.  A worker thread that picks one of them up afterwards skips it.
+        """
+        parts = self._parts
+        if parts is None or parts.pid != os.getpid():
+            return 0
+        unstarted = parts.leases.drain()
+        if not unstarted:
+            return 0
+        try:
+            released = parts.writer.release(unstarted)
+        except ConnectionClosed:
+            self.logger.warning("Could not release %d prefetched message(s); their leases will lapse.", len(unstarted))
+            return 0
+        self.logger.info("Released %d prefetched message(s) that had not started.", len(released))
+        return len(released)
+
+    @contextmanager
+    def with_ack(self) -> Iterator[None]:
+        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if it applies.
+
+        By default what an actor sends is enqueued at once (as with every
+        broker), so a delivery that is later fenced out has sent it anyway.
+        """
+        with delivery.deferred():
+            yield
+
+    def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:
+        """Tie a group member's barrier countdown (and the completion messages) to its outcome.
+
+        Returns ``False`` when *message* is not a delivery whose effects wait
+        for its outcome (the caller then counts down at once).
+        """
+        if delivery.deferring() is not message:
+            return False
+        message.countdowns.append(Countdown(key, ttl, [self.row(m, None) for m in completions]))
+        return True
