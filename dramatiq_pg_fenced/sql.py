@@ -715,6 +715,15 @@ _RESULT_UPSERT = """
             OR r.expires_at <= now()
         RETURNING key
 """
+# The rows a result write inserts (both result_store statements).
+_RESULT_ROWS = """
+        INSERT INTO {schema}.result AS r (key, message_id, attempt, delivery, data, expires_at)
+        SELECT w.key, w.message_id, w.attempt, w.delivery, w.data,
+               now() + w.ttl_ms * interval '1 millisecond'
+          FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(deliveries)s::uuid[],
+                      %(data)s::bytea[], %(ttls)s::bigint[])
+               AS w(key, message_id, attempt, delivery, data, ttl_ms)
+"""
 _WAKE = "pg_notify(%(channel)s, CASE WHEN octet_length(key) < 8000 THEN key ELSE '*' END)"
 _TEMPLATES.update(
     {
@@ -724,12 +733,7 @@ _TEMPLATES.update(
         # transaction) or that belong to no delivery (attempt NULL).
         "result_store": f"""
             WITH written AS (
-                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, delivery, data, expires_at)
-                SELECT w.key, w.message_id, w.attempt, w.delivery, w.data,
-                       now() + w.ttl_ms * interval '1 millisecond'
-                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(deliveries)s::uuid[],
-                              %(data)s::bytea[], %(ttls)s::bigint[])
-                       AS w(key, message_id, attempt, delivery, data, ttl_ms)
+                {_RESULT_ROWS}
                 {_RESULT_UPSERT}
             )
             SELECT key, {_WAKE} FROM written
@@ -740,12 +744,7 @@ _TEMPLATES.update(
         # %(states)s; FOR SHARE makes a concurrent claim or rescue wait for us.
         "result_store_fenced": f"""
             WITH written AS (
-                INSERT INTO {{schema}}.result AS r (key, message_id, attempt, delivery, data, expires_at)
-                SELECT w.key, w.message_id, w.attempt, w.delivery, w.data,
-                       now() + w.ttl_ms * interval '1 millisecond'
-                  FROM unnest(%(keys)s::text[], %(ids)s::text[], %(attempts)s::int[], %(deliveries)s::uuid[],
-                              %(data)s::bytea[], %(ttls)s::bigint[])
-                       AS w(key, message_id, attempt, delivery, data, ttl_ms)
+                {_RESULT_ROWS}
                  WHERE EXISTS (
                        SELECT 1 FROM {{schema}}.message AS m
                         WHERE m.message_id = w.message_id::uuid AND m.attempt = w.attempt
