@@ -65,17 +65,34 @@ def describe_failure(error: BaseException, where: str = "") -> str:
     return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"
 
 
+def key_taken_meanwhile(error: BaseException) -> bool:
+    """A row going back to the queue met a send that took its unique key while the statement ran.
+
+    The statement takes the key back only if no other row holds it (sql.py,
+    ``_retake``), but a holder that commits after the statement's snapshot is
+    seen only by the index.  Written again, the statement sees the holder and
+    moves the row without its key.
+    """
+    return (
+        isinstance(error, psycopg.errors.UniqueViolation)
+        and getattr(error.diag, "constraint_name", None) == "message_unique_idx"
+    )
+
+
 def worth_retrying(error: BaseException) -> bool:
     """Could the same write succeed later, unchanged?
 
     Yes when the connection was lost, the server was busy or going away
     (lock or statement timeout, deadlock, serialization failure, too many
-    connections, disk full) or the schema is not migrated yet.  No when the
+    connections, disk full), the schema is not migrated yet, or a unique key
+    was taken meanwhile (:func:`key_taken_meanwhile`).  No when the
     database refused what was written (bad data, a constraint, a trigger that
     raised, a value over a limit) or the driver could not even send it (text
     that is not valid Unicode): writing it again would be refused again.
     """
     if lost_connection(error):
+        return True
+    if key_taken_meanwhile(error):
         return True
     if isinstance(error, psycopg.errors.ProgramLimitExceeded):
         return False

@@ -438,8 +438,12 @@ class OutcomeWriter:
             if self._count_down(conn, countdown):
                 rows.extend(countdown.completions)
         if rows:
+            # With a unique key (unique.py), a follow-up whose key another message holds is not
+            # inserted; nobody waits for its id here.
+            keyed = any(row[6] is not None for row in rows)
             columns = [list(column) for column in zip(*rows, strict=True)]
-            conn.execute(self.statements.enqueue, [*columns, self.settings.channel, self.settings.listen])
+            statement = self.statements.enqueue_unique if keyed else self.statements.enqueue
+            conn.execute(statement, [*(columns if keyed else columns[:6]), self.settings.channel, self.settings.listen])
 
     def _count_down(self, conn: psycopg.Connection, countdown: Countdown) -> bool:
         """Dramatiq's ``Barrier.wait(block=False)``: down by one unless at the last party; ``True`` when cleared."""
