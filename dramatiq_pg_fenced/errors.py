@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psycopg
 from dramatiq.errors import BrokerError, ConnectionClosed
+from dramatiq.middleware import MiddlewareError
 from psycopg_pool import PoolTimeout
 
 
@@ -13,6 +14,14 @@ class SchemaError(BrokerError):
 
 class PayloadTooLarge(BrokerError, ValueError):
     """An encoded message is larger than the broker's ``max_payload_bytes``."""
+
+
+class UniqueOptionError(MiddlewareError, ValueError):
+    """An actor declared with a ``unique_key`` or ``unique_until`` the broker cannot use.
+
+    A ``MiddlewareError``, so Dramatiq lets it out of the declaration (it
+    only logs other errors of a middleware's hooks).
+    """
 
 
 class DeadLetterError(BrokerError):

@@ -48,9 +48,10 @@ index's meaning: inserts do nothing on a held key; claim, ack, nack, cancel
 and the purges only take rows out of the held set (or keep a 'finished' row
 in it); the transitions *into* it from a row that did not hold its key
 (``retry``, ``requeue``, ``release_unseen`` and ``rescue`` of a 'started'
-row, ``redrive`` of any) take the key back only if no other row holds it,
-else the row goes back to the queue without its key (:func:`_retake`): the
-newer message keeps the key, and both run.
+row, ``redrive`` of any) take the key back only if no other row with the
+key is queued or running (redrive: exists at all), else the row goes back
+to the queue without its key (:func:`_retake`): the newer message keeps the
+key, and both run.
 
 ``lost_deliveries`` counts the deliveries that ended without any outcome
 (migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
@@ -114,21 +115,27 @@ _HELD = _held("u")
 
 
 def _retake(alias: str, *, finished_too: bool) -> str:
-    """SET clause: a row going back to the queue takes its key back only if no other row holds it.
+    """SET clause: a row going back to the queue keeps its key only if no other row carries it.
 
-    For rows that did not hold their key (a 'started' row leaving running;
-    with *finished_too*, any dead or cancelled row): the key is set to NULL
-    when another row holds it, so the move never violates the index.  Rows
-    without a key skip the probe (CASE evaluates lazily).  A send holding the
-    key that commits while this statement runs can still make it fail with a
-    unique violation (SQLSTATE 23505 on message_unique_idx): callers write
-    again, and the next snapshot sees the holder (:func:`.errors.worth_retrying`).
+    For rows that did not hold their key: a 'started' row leaving running
+    (retry, requeue, release_unseen, rescue), or, with *finished_too* (redrive),
+    any dead or cancelled row.  The key is kept only if no other row with it
+    is queued or running (redrive: exists at all); else it is set to NULL and
+    the row goes back without it, so the move never violates the index.
+    Asking about every other row, not only holders, keeps two rows that one
+    statement moves from taking one key: each sees the other, and neither
+    takes it.  Rows without a key skip the probe (CASE evaluates lazily; the
+    probe reads message_key_idx).  A send holding the key that commits while
+    this statement runs can still make it fail with a unique violation on
+    message_unique_idx: callers write again, and the next snapshot sees the
+    holder (:func:`.errors.worth_retrying`).
     """
     keep = f"{alias}.unique_key IS NULL" + ("" if finished_too else f" OR {alias}.unique_until = 'finished'")
+    live = "" if finished_too else "AND u.state IN ('queued', 'running')"
     return f"""unique_key = CASE WHEN {keep} THEN {alias}.unique_key
                      WHEN EXISTS (SELECT FROM {{schema}}.message AS u
                                    WHERE u.actor_name = {alias}.actor_name AND u.unique_key = {alias}.unique_key
-                                     AND u.message_id <> {alias}.message_id AND {_HELD})
+                                     AND u.unique_key IS NOT NULL AND u.message_id <> {alias}.message_id {live})
                      THEN NULL ELSE {alias}.unique_key END"""
 
 

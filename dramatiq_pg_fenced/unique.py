@@ -25,6 +25,8 @@ from typing import Any
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
+from .errors import UniqueOptionError
+
 #: The options this module reads, as actor options and as message options.
 OPTIONS = frozenset({"unique_key", "unique_until"})
 #: When a key frees, besides ack, dead letter and cancel.
@@ -88,7 +90,7 @@ def key_of(message: Message, actor_options: dict[str, Any] | None) -> tuple[str 
 
 
 class UniqueMessages(Middleware):
-    """Declares ``unique_key`` and ``unique_until`` as actor options and checks them when an actor is declared.
+    """Declares ``unique_key`` and ``unique_until`` as actor options; refuses bad ones when an actor is declared.
 
     Installed by :class:`~.broker.PostgresBroker`; it does nothing per message
     (the broker reads the options as it builds the row).
@@ -98,11 +100,14 @@ class UniqueMessages(Middleware):
     def actor_options(self) -> set[str]:
         return set(OPTIONS)
 
-    def after_declare_actor(self, broker: Any, actor: Any) -> None:
+    def before_declare_actor(self, broker: Any, actor: Any) -> None:
         options = actor.options
         where = f"of actor {actor.actor_name!r}"
         key: str | Callable[..., Any] | None = options.get("unique_key")
-        if key is not None and not callable(key):
-            check_key(key, where)
-        if "unique_until" in options:
-            check_until(options["unique_until"], where)
+        try:
+            if key is not None and not callable(key):
+                check_key(key, where)
+            if "unique_until" in options:
+                check_until(options["unique_until"], where)
+        except (TypeError, ValueError) as e:
+            raise UniqueOptionError(str(e)) from None

@@ -21,3 +21,10 @@ ALTER TABLE {schema}.message ADD COLUMN unique_until text
 CREATE UNIQUE INDEX message_unique_idx ON {schema}.message (actor_name, unique_key)
     WHERE unique_key IS NOT NULL
       AND (state = 'queued' OR (state = 'running' AND unique_until = 'finished'));
+
+-- Every row that still carries a key, by key: a row going back to the queue
+-- (a retry, a release, a rescue, a re-drive) asks whether another row carries
+-- its key before it takes the key back (sql.py, _retake).  Rows without a key
+-- are not in it.
+CREATE INDEX message_key_idx ON {schema}.message (actor_name, unique_key)
+    WHERE unique_key IS NOT NULL;
