@@ -37,7 +37,7 @@ from dramatiq.message import Message
 from .config import Settings
 from .database import Database
 from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
-from .errors import PayloadTooLarge, SchemaError, lost_connection, refusal, worth_retrying
+from .errors import PayloadTooLarge, SchemaError, key_taken_meanwhile, lost_connection, refusal, worth_retrying
 from .fencing import Miss, StaleWrites, State, Write
 from .leases import Held, Leases
 from .reconnect import RETRY_INTERVAL
@@ -216,6 +216,12 @@ class OutcomeWriter:
             if worth_retrying(e):
                 if isinstance(e, SchemaError):
                     pass  # the database layer says so, once (then once a minute)
+                elif key_taken_meanwhile(e):
+                    self.logger.info(
+                        "A send took the unique key of a message going back to the queue while the outcomes "
+                        "were written (%s); writing them again.",
+                        refusal(e),
+                    )
                 elif not lost_connection(e):
                     self.logger.warning(
                         "Could not write %d outcome(s) (%s); trying again in %.2fs. "

@@ -8,6 +8,7 @@ row passes through.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -348,7 +349,7 @@ def test_a_redrive_takes_the_key_back_only_if_no_other_message_carries_it(
 
 
 def test_a_retry_that_meets_a_send_committing_the_key_meanwhile_is_written_again_without_it(
-    broker: PostgresBroker, claim: Claimer, dramatiq_pg_url: str
+    broker: PostgresBroker, claim: Claimer, dramatiq_pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The one race the retry's probe cannot see: a send of the key still uncommitted when the
     retry's statement starts.  The writer waits for it, is refused (unique violation), writes
@@ -372,9 +373,11 @@ def test_a_retry_that_meets_a_send_committing_the_key_meanwhile_is_written_again
             10,
             "the retry waiting for the send",
         )
-        conn.commit()
-    assert broker.flush_outcomes(10)
+        with caplog.at_level(logging.INFO):
+            conn.commit()
+            assert broker.flush_outcomes(10)
     assert rows(broker) == [(first.message_id, None, "queued"), (newer.message_id, "k", "queued")]
+    assert "took the unique key of a message going back to the queue" in caplog.text
 
 
 def test_the_unique_violation_of_a_key_taken_meanwhile_is_worth_writing_again(
