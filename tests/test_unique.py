@@ -400,6 +400,48 @@ def test_the_unique_violation_of_a_key_taken_meanwhile_is_worth_writing_again(
     assert not key_taken_meanwhile(other.value) and not worth_retrying(other.value)
 
 
+def test_a_send_whose_holder_commits_during_its_insert_learns_the_holder_or_inserts_once_it_is_gone(
+    broker: PostgresBroker, dramatiq_pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The insert waits for a holder still uncommitted, so its snapshot cannot show it: the holder
+    is read again (a second round trip).  Here the holder is acked in between (deleted), so the send
+    is tried again and inserted."""
+
+    @dramatiq.actor(queue_name=Q, unique_key="k")
+    def job() -> None: ...
+
+    reads: list[bytes] = []
+    real = psycopg.Connection.execute
+
+    def execute(conn: psycopg.Connection, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        if statement is broker.statements.unique_holders:
+            reads.append(statement)
+            query(broker, "DELETE FROM {schema}.message WHERE message_id = %s", [held.message_id])
+        return real(conn, statement, *args, **kwargs)
+
+    got: list[str] = []
+    with psycopg.connect(dramatiq_pg_url) as conn:
+        with broker.transaction(conn):
+            held = job.send()  # uncommitted
+        monkeypatch.setattr(psycopg.Connection, "execute", execute)
+        sender = threading.Thread(target=lambda: got.append(job.send().message_id))
+        sender.start()
+        wait_for(
+            lambda: query(
+                broker,
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                [f'WITH m AS MATERIALIZED%"{broker.schema}"%'],
+            ),
+            10,
+            "the send waiting for the holder",
+        )
+        conn.commit()
+        sender.join(10)
+    assert len(reads) == 1
+    assert got[0] != held.message_id
+    assert rows(broker) == [(got[0], "k", "queued")]
+
+
 # -- many senders at once ---------------------------------------------------------------------------
 
 
