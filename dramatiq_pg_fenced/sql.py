@@ -315,7 +315,7 @@ _TEMPLATES = {
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
-               finished_at, last_error, lost_deliveries, claimed_at, payload
+               finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until, payload
           FROM {schema}.message WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
@@ -719,7 +719,8 @@ _TEMPLATES.update(
         "inspect_history": """
             SELECT message_id, queue_name, actor_name, priority, 'done' AS state, attempt, enqueued_at,
                    NULL::timestamptz AS available_at, NULL::timestamptz AS lease_expires_at, consumer_id,
-                   finished_at, last_error, NULL::int AS lost_deliveries, claimed_at, payload
+                   finished_at, last_error, NULL::int AS lost_deliveries, claimed_at,
+                   NULL::text AS unique_key, NULL::text AS unique_until, payload
               FROM {schema}.history WHERE message_id = %s
              ORDER BY finished_at DESC
         """,

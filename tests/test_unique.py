@@ -113,6 +113,8 @@ def test_a_second_send_with_a_held_key_is_not_inserted_and_gets_the_first_id(bro
     assert len(rows(broker)) == 5
     # The returned copy is the holder as far as Dramatiq is concerned: its id, the caller's actor and queue.
     assert (again.actor_name, again.queue_name) == (first.actor_name, first.queue_name)
+    info = broker.inspect(first.message_id)
+    assert info is not None and (info["unique_key"], info["unique_until"]) == ("user:1", "started")
 
 
 def test_keys_are_per_actor_and_a_static_key_makes_the_actor_a_singleton(broker: PostgresBroker) -> None:
