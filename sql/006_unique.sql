@@ -6,7 +6,10 @@
 -- unique_until 'started': held while queued (retries waiting included);
 --              'finished': held while queued or running.  NULL without a key.
 --
--- Nullable columns without a default: adding them rewrites nothing.
+-- Nullable columns without a default: adding them rewrites nothing.  The two
+-- indexes are built in the migration's transaction: enqueues and claims wait
+-- for the scan of the message table (short when the backlog is small; migrate
+-- with the queues drained if it is not).
 ALTER TABLE {schema}.message ADD COLUMN unique_key text;
 ALTER TABLE {schema}.message ADD COLUMN unique_until text
     CHECK (unique_until IN ('started', 'finished'));

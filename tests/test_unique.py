@@ -23,11 +23,13 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq import group, pipeline
+from dramatiq.results import Results
 from helpers import query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
 from dramatiq_pg_fenced.errors import key_taken_meanwhile, worth_retrying
+from dramatiq_pg_fenced.results import PostgresBackend
 from dramatiq_pg_fenced.unique import MAX_KEY_BYTES
 
 Q = "uq"
@@ -593,6 +595,23 @@ def test_bad_options_are_refused_when_declared_or_sent(broker: PostgresBroker) -
 
 
 # -- composition -----------------------------------------------------------------------------------
+
+
+def test_a_deduplicated_send_gets_the_holders_result(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> None:
+    broker = dramatiq_pg_broker_factory(poll_interval=0.05)
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend))
+    dramatiq.set_broker(broker)
+
+    @dramatiq.actor(queue_name=Q, store_results=True, unique_key=lambda x: "sum")
+    def add(x: int) -> int:
+        return x + 1
+
+    first, again = add.send(1), add.send(41)  # the second's args never run
+    assert again.message_id == first.message_id
+    with running_worker(broker, threads=1):
+        assert again.get_result(block=True, timeout=20_000) == 2
+    backend.close()
 
 
 def test_pipelines_and_groups_with_keys_run(broker: PostgresBroker) -> None:
