@@ -129,6 +129,8 @@ class Timing:
             raise ValueError(f"tz= takes an IANA time zone name such as 'Europe/Paris', not {zone!r}")
         timing = cls(cron=" ".join(cron.split()), timezone=zone)
         try:
+            if not zone:
+                raise ValueError(zone)
             timing.zone()
         except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
             raise ValueError(f"unknown time zone {zone!r} (an IANA name such as 'Europe/Paris' or 'UTC')") from None
@@ -141,7 +143,7 @@ class Timing:
         return timing
 
     def zone(self) -> ZoneInfo:
-        return ZoneInfo(self.timezone or "UTC")
+        return ZoneInfo("UTC" if self.timezone is None else self.timezone)
 
     def describe(self) -> str:
         if self.every_ms is not None:
