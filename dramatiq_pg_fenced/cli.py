@@ -272,14 +272,14 @@ def _scheduler(module: str) -> int:
     import signal
     import threading
 
-    import dramatiq
+    import dramatiq.broker
 
     sys.path.insert(0, os.getcwd())
     try:
         importlib.import_module(module)
     except ImportError as e:
         return _fail(f"cannot import {module!r}: {e}", USAGE)
-    broker = dramatiq.get_broker()
+    broker = dramatiq.broker.global_broker  # (get_broker() would make a RabbitMQ broker when none is set)
     if not isinstance(broker, PostgresBroker):
         return _fail(f"{module!r} did not set a PostgresBroker as Dramatiq's broker", USAGE)
     if not len(broker.schedules):

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
 
 import dramatiq
 import psycopg
@@ -19,6 +18,7 @@ from dramatiq.brokers.stub import StubBroker
 from helpers import query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.cli import main
 from dramatiq_pg_fenced.schedules import DEFAULT_MISSED, Schedule, Scheduler, Timing, schedule
 
 UTC = timezone.utc
@@ -314,17 +314,27 @@ def test_a_schedule_changed_in_code_is_enqueued_only_by_the_process_that_declare
     assert row["schedule"] == "every 2s"
 
 
-def cli(url: str, schema: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", url, "--schema", schema, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
+    """The ``dramatiq-pg-fenced`` command, run in this process (its entry point, ``main``)."""
+
+    def run(url: str, schema: str, *args: str) -> Ran:
+        capsys.readouterr()
+        code = main(["--url", url, "--schema", schema, *args])
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
+
+    return run
 
 
 def test_stats_and_the_cli_show_each_schedule_its_last_and_next_tick_and_stale_ones(
-    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, cli: Callable[..., Ran]
 ) -> None:
     broker, scheduler = twin(dramatiq_pg_broker_factory, dramatiq_pg_broker_factory().schema, every=1)
     scheduler.declare(list(broker.schedules), first=True)
@@ -383,14 +393,10 @@ def test_a_broker_with_run_schedules_false_runs_no_scheduler(dramatiq_pg_broker_
     assert query(broker, "SELECT count(*) FROM {schema}.schedule")[0][0] == 0
 
 
-def test_the_standalone_scheduler_command_refuses_a_module_without_schedules(dramatiq_pg_url: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "scheduler", "tests.apps.no_such_app"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2 and "cannot import" in result.stderr
+def test_the_standalone_scheduler_command_refuses_a_module_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scheduler", "tests.apps.no_such_app"]) == 2
+    assert "cannot import 'tests.apps.no_such_app'" in capsys.readouterr().err
+    assert main(["scheduler", "tests.helpers"]) == 2  # imports, but sets no PostgresBroker with schedules
 
 
 def test_a_pass_survives_a_broken_connection(dramatiq_pg_broker_factory: Factory) -> None:
