@@ -18,7 +18,13 @@ from dramatiq_pg_fenced.schedules import schedule
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
 INSERT = sql.SQL("INSERT INTO {}.ledger (tick, pid) VALUES (%s, %s)").format(sql.Identifier(SCHEMA))
 
-broker = PostgresBroker(os.environ["DRAMATIQ_PG_URL"], schema=SCHEMA, poll_interval=0.2)
+# SCHEDULE_IN_WORKERS=0: the ``dramatiq`` workers of this app only consume (the soak runs standalone schedulers).
+broker = PostgresBroker(
+    os.environ["DRAMATIQ_PG_URL"],
+    schema=SCHEMA,
+    poll_interval=0.2,
+    run_schedules=os.environ.get("SCHEDULE_IN_WORKERS", "1") == "1",
+)
 broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
 
