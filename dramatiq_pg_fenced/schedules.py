@@ -455,7 +455,7 @@ class Scheduler(Periodic):
             for scheduled in mine:
                 row = stored.get(scheduled.name)
                 if row is None:
-                    self._declared_at = None  # forgotten by an operator: declare again next pass
+                    self._declared_at = -math.inf  # forgotten by an operator: put back next pass (never overwriting)
                     continue
                 _, _, fingerprint, last_tick, changed_at = row
                 if fingerprint != scheduled.fingerprint:

@@ -361,6 +361,11 @@ def test_stats_and_the_cli_show_each_schedule_its_last_and_next_tick_and_stale_o
     assert broker.stats()["schedules"] == []
     missing = cli(dramatiq_pg_url, broker.schema, "schedules", "--forget", "tick")
     assert missing.returncode == 1 and "no schedule 'tick'" in missing.stderr
+    # Forgotten while a scheduler still declares it: it comes back (without overwriting anyone's definition).
+    scheduler.tick()
+    scheduler.tick()
+    (row,) = broker.stats()["schedules"]
+    assert row["name"] == "tick" and not row["stale"]
 
 
 def test_a_worker_runs_the_scheduler_and_its_actor_gets_each_tick(dramatiq_pg_broker_factory: Factory) -> None:
