@@ -51,6 +51,8 @@ from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
 from .outcomes import retry_outcome
 from .parts import DeliveryMethods, ProcessParts
+from .schedules import Schedules
+from .schedules import overview as schedule_overview
 from .sql import check_queue, check_schema, statements
 from .unique import UniqueMessages
 
@@ -82,6 +84,9 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         extensions and shutdown releases wait for the WAL flush too.  By
         default they do not: one lost in a database crash makes its message
         run again (at-least-once), never lost; the enqueue stays durable.
+      run_schedules: ``False``: this process's workers do not run the
+        scheduler of ``broker.schedules`` (``dramatiq-pg-fenced scheduler
+        MODULE`` can run it alone).
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         synchronous_commit: bool = True,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
+        run_schedules: bool = True,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -143,6 +149,9 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             synchronous_commit=synchronous_commit,
             logger=self.logger,
         )
+        #: Periodic messages declared in this process (``@schedule`` or ``broker.schedules.add``).
+        self.schedules = Schedules(lookup=self.actors.get)
+        self.run_schedules = bool(run_schedules)
         self.consumer_id = _new_consumer_id()
         self.queues: set[str] = set()
         self._parts_lock = threading.Lock()
@@ -209,6 +218,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
                         self.logger,
                         on_dead=self._remember_dead,
                         writer=self.consumer_id,
+                        schedules=self.schedules,
+                        row=self.enqueuer.row,
                     )
         return parts
 
@@ -255,6 +266,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         # processes' expired leases, so a consuming process runs it from the start.
         parts.keeper.start()
         parts.maintenance.start()
+        if self.run_schedules:
+            self.start_scheduler()
         return PostgresConsumer(
             queue_name,
             prefetch,
@@ -269,6 +282,16 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             doorbell=self._doorbell(parts),
             logger=self.logger,
         )
+
+    def start_scheduler(self) -> bool:
+        """Run this process's scheduler thread (once), if any schedule is declared; returns whether it runs.
+
+        Workers call it as they start consuming (unless ``run_schedules=False``).
+        """
+        if not len(self.schedules):
+            return False
+        self.parts.scheduler.start()
+        return True
 
     def _doorbell(self, parts: ProcessParts) -> Any:
         """This process's wake-up channel; it also hears of cancelled messages that must not start."""
@@ -452,13 +475,16 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             time.sleep(interval / 1000)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this process, totals from the database, and queue sizes."""
+        """Counters of this process, totals from the database, queue sizes, and every stored schedule
+        (next and last tick, the last tick's message; see :func:`.schedules.overview`)."""
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
         held = len(parts.leases.snapshot()) if parts is not None else 0
+        local["scheduled_ticks"] = parts.scheduler.enqueued if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)
-        return {"process": {**local, "held": held}, "totals": totals, "queues": queues}
+        schedules = schedule_overview(self.database, self.statements)
+        return {"process": {**local, "held": held}, "totals": totals, "queues": queues, "schedules": schedules}
 
 
 def _new_consumer_id() -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 from dramatiq.errors import BrokerError
 
-from . import __version__, admin
+from . import __version__, admin, schedules
 from .broker import PostgresBroker
 from .config import DEFAULT_SCHEMA
 from .errors import describe_failure
@@ -86,6 +86,15 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--queue", required=True)
     purge.add_argument("--state", choices=admin.PURGEABLE, help="only this state (default: all of them)")
     purge.add_argument("--yes", action="store_true", help="required: this deletes messages")
+    listed = command("schedules", "every schedule: when it ticks, its last tick and message, its next tick, stale ones")
+    listed.add_argument("--json", action="store_true")
+    listed.add_argument("--forget", metavar="NAME", help="remove a stale schedule's row (a removed schedule)")
+    scheduler = command(
+        "scheduler", "run the schedules of an app module alone, without consuming (workers run them too)"
+    )
+    scheduler.add_argument(
+        "module", help="the module that declares the broker, its actors and schedules (as for dramatiq)"
+    )
     command("pause", "consumers stop claiming from a queue (survives restarts)").add_argument("queue")
     command("resume", "consumers claim from a paused queue again").add_argument("queue")
     command("compact", "give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)")
@@ -114,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "scheduler":
+        return _scheduler(args.module)
     try:
         ids = [admin.check_message_id(m) for m in _ids(args)]
     except ValueError as e:
@@ -183,10 +194,26 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "stats":
         queues = admin.overview(db, st)
         totals = admin.counters(db, st)
+        listed = schedules.overview(db, st)
         if args.json:
-            _print_json({"queues": queues, "totals": totals})
+            _print_json({"queues": queues, "totals": totals, "schedules": listed})
         else:
             print(stats_table(queues, totals))
+            if listed:
+                print()
+                print(schedules_table(listed))
+        return OK
+    if command == "schedules":
+        if args.forget:
+            if not schedules.forget(db, st, args.forget):
+                return _fail(f"no schedule {args.forget!r}", NOT_APPLIED)
+            print(f"{args.forget}: forgotten (a scheduler that still declares it puts it back)")
+            return OK
+        listed = schedules.overview(db, st)
+        if args.json:
+            _print_json({"schedules": listed})
+        else:
+            print(schedules_table(listed))
         return OK
     if command == "list":
         page = admin.list_messages(db, st, args.queue, args.state, actor=args.actor, after=args.after, limit=args.limit)
@@ -236,6 +263,38 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "dashboard":
         return _dashboard(broker, args)
     raise AssertionError(command)
+
+
+def _scheduler(module: str) -> int:
+    """Import *module* (it sets Dramatiq's broker, declares actors and schedules) and run its scheduler
+    until SIGTERM or SIGINT."""
+    import importlib
+    import signal
+    import threading
+
+    import dramatiq.broker
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return _fail(f"cannot import {module!r}: {e}", USAGE)
+    broker = dramatiq.broker.global_broker  # (get_broker() would make a RabbitMQ broker when none is set)
+    if not isinstance(broker, PostgresBroker):
+        return _fail(f"{module!r} did not set a PostgresBroker as Dramatiq's broker", USAGE)
+    if not len(broker.schedules):
+        return _fail(f"{module!r} declares no schedule", USAGE)
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    broker.start_scheduler()
+    names = ", ".join(s.name for s in broker.schedules)
+    print(f"scheduler of schema {broker.schema!r} running: {names}", file=sys.stderr)
+    try:
+        stopped.wait()
+    finally:
+        broker.close()
+    return OK
 
 
 def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
@@ -301,6 +360,25 @@ def stats_table(queues: list[dict[str, Any]], totals: dict[str, int]) -> str:
         "   (running includes prefetched messages)"
     )
     return f"{table}\n{footer}"
+
+
+def schedules_table(rows: list[dict[str, Any]]) -> str:
+    """The human table of ``schedules`` (and the end of ``stats``)."""
+    heads = ["schedule", "actor", "when", "missed", "last tick", "last message", "next tick", "status"]
+    body = [
+        [
+            r["name"],
+            r["actor_name"],
+            r["schedule"],
+            r["missed"],
+            _when(r["last_tick"]),
+            r["last_message_id"] or "",
+            _when(r["next_tick"]),
+            "stale (no scheduler declares it)" if r["stale"] else "active",
+        ]
+        for r in rows
+    ]
+    return _columns(heads, body) + "\n(times in UTC)" if body else "no schedules"
 
 
 def list_table(rows: list[dict[str, Any]]) -> str:

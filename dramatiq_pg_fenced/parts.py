@@ -25,11 +25,13 @@ from .fencing import StaleWrites, Write
 from .leases import LeaseKeeper, Leases, StartGate
 from .maintenance import Maintenance
 from .outcomes import OutcomeWriter
+from .schedules import Scheduler, Schedules
 from .sql import Statements
 
 
 class ProcessParts:
-    """The lease registry and keeper, the start gate, the maintenance loop and the outcome writer of one process."""
+    """The lease registry and keeper, the start gate, the maintenance loop, the outcome writer and the
+    scheduler of one process."""
 
     def __init__(
         self,
@@ -40,6 +42,8 @@ class ProcessParts:
         *,
         on_dead: Callable[[str, BaseException | None], None],
         writer: str,
+        schedules: Schedules,
+        row: Callable[[Message, int | None], Row],
     ) -> None:
         self.pid = os.getpid()
         self.stale = StaleWrites(statements, logger)
@@ -51,9 +55,11 @@ class ProcessParts:
         self.writer = OutcomeWriter(
             database, statements, settings, self.leases, self.stale, logger, on_dead=on_dead, writer=writer
         )
+        self.scheduler = Scheduler(schedules, database, statements, settings, logger, row=row)
         self.consumers = 0  #: consumers made in this process (each gets an id of its own)
 
     def close(self) -> None:
+        self.scheduler.stop()
         self.writer.stop()
         self.keeper.stop()
         self.maintenance.stop()

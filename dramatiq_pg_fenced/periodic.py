@@ -43,9 +43,13 @@ class Periodic:
     def tick(self) -> None:
         raise NotImplementedError
 
+    def next_wait(self) -> float:
+        """Seconds to wait before the next tick (the fixed interval; a subclass may decide per tick)."""
+        return self.interval
+
     def _run(self) -> None:
         lost = False
-        while not self._stopped.wait(min(RETRY_INTERVAL, self.interval) if lost else self.interval):
+        while not self._stopped.wait(min(RETRY_INTERVAL, self.next_wait()) if lost else self.next_wait()):
             lost = False
             try:
                 self.tick()

@@ -16,6 +16,8 @@ from       to         statement        who, and the fence
 =========  =========  ===============  ==============================================
 (none)     queued     enqueue(_one)    a producer; ``ON CONFLICT DO NOTHING`` by id
 (none)     queued     enqueue_unique   the same, with a key; nothing while the key is held
+(none)     queued     schedule_tick    a scheduler; once per (schedule, tick), by the
+                                       database clock (see schedules.py)
 queued     running    claim            a consumer; attempt + 1, a new token, a lease; not if paused
 running    (deleted)  ack              the outcome writer; fenced on the token
 running    history    ack_keep         the same, and the row moves to ``history``
@@ -940,6 +942,105 @@ _TEMPLATES.update(
 )
 
 
+# -- schedules (migration 007, schedules.py) ------------------------------------
+# The definition columns of a schedule row, as both declaring statements take
+# them (arrays: one element per schedule of the declaring process).
+_SCHEDULE_ROWS = """
+        SELECT * FROM unnest(%(names)s::text[], %(actors)s::text[], %(queues)s::text[], %(crons)s::text[],
+                             %(timezones)s::text[], %(every_ms)s::bigint[], %(missed)s::text[],
+                             %(grace_ms)s::bigint[], %(fingerprints)s::text[])
+                      AS d(name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, fingerprint)
+         ORDER BY name
+"""
+_SCHEDULE_COLUMNS = "name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, fingerprint"
+_TEMPLATES.update(
+    {
+        # A scheduler starts: its definitions become the schedules' (the
+        # process that declares last wins); changed_at moves when the
+        # definition did, and last_tick stays (ticks never go backwards).
+        "schedule_declare": f"""
+            INSERT INTO {{schema}}.schedule AS s ({_SCHEDULE_COLUMNS})
+            {_SCHEDULE_ROWS}
+            ON CONFLICT (name) DO UPDATE
+               SET actor_name = EXCLUDED.actor_name, queue_name = EXCLUDED.queue_name, cron = EXCLUDED.cron,
+                   timezone = EXCLUDED.timezone, every_ms = EXCLUDED.every_ms, missed = EXCLUDED.missed,
+                   grace_ms = EXCLUDED.grace_ms, fingerprint = EXCLUDED.fingerprint, seen_at = now(),
+                   changed_at = CASE WHEN s.fingerprint = EXCLUDED.fingerprint THEN s.changed_at ELSE now() END
+        """,
+        # A running scheduler says it still declares its schedules: seen_at,
+        # only where the stored definition is its own (never overwriting a
+        # newer process's); a row an operator forgot comes back.
+        "schedule_seen": f"""
+            INSERT INTO {{schema}}.schedule AS s ({_SCHEDULE_COLUMNS})
+            {_SCHEDULE_ROWS}
+            ON CONFLICT (name) DO UPDATE SET seen_at = now() WHERE s.fingerprint = EXCLUDED.fingerprint
+        """,
+        # The database clock, and where each of this process's schedules
+        # stands (one row with NULLs when none is stored yet).
+        "schedule_read": """
+            SELECT c.now, s.name, s.fingerprint, s.last_tick, s.changed_at
+              FROM (SELECT clock_timestamp() AS now) AS c
+              LEFT JOIN {schema}.schedule AS s ON s.name = ANY(%s::text[])
+        """,
+        # Enqueue one tick, exactly once across every process, in one
+        # statement (atomic in autocommit):
+        # - advanced: the schedule's last_tick moves to this tick, only while
+        #   the stored definition is the caller's, the tick is due by the
+        #   database clock, and it is later than last_tick.  Concurrent
+        #   callers queue on the row's lock; each re-checks the WHERE on the
+        #   row as the winner left it (READ COMMITTED) and finds the tick
+        #   taken.  A caller that computed the tick long ago (paused) finds
+        #   it taken too: last_tick never goes back.
+        # - ticked: the (schedule, tick) row, unique: a second guard.
+        # - ins: the message, only if both guards let the tick through,
+        #   and the doorbell of its queue (as enqueue_one rings it).
+        "schedule_tick": """
+            WITH advanced AS (
+                UPDATE {schema}.schedule AS s
+                   SET last_tick = %(tick)s::timestamptz, last_message_id = %(id)s::uuid, last_enqueued_at = now()
+                 WHERE s.name = %(name)s AND s.fingerprint = %(fingerprint)s
+                   AND (s.last_tick IS NULL OR s.last_tick < %(tick)s::timestamptz)
+                   AND %(tick)s::timestamptz <= now()
+                RETURNING s.name
+            ), ticked AS (
+                INSERT INTO {schema}.schedule_tick (name, tick, message_id)
+                SELECT name, %(tick)s::timestamptz, %(id)s::uuid FROM advanced
+                ON CONFLICT (name, tick) DO NOTHING
+                RETURNING message_id
+            ), ins AS (
+                INSERT INTO {schema}.message (message_id, queue_name, actor_name, priority, available_at, payload)
+                SELECT t.message_id, %(queue)s::text, %(actor)s::text, %(priority)s::int, now(), %(payload)s::bytea
+                  FROM ticked AS t
+                ON CONFLICT (message_id) DO NOTHING
+                RETURNING queue_name
+            ), rung AS (
+                SELECT pg_notify(%(channel)s, queue_name) FROM ins WHERE %(listen)s
+            )
+            SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
+        """,
+        "schedule_list": """
+            SELECT name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, created_at,
+                   changed_at, seen_at, last_tick, last_message_id, last_enqueued_at, clock_timestamp() AS now
+              FROM {schema}.schedule ORDER BY name
+        """,
+        # An operator removes a schedule's row (a running scheduler that still
+        # declares it puts it back, with no last tick: it starts afresh).
+        "schedule_forget": "DELETE FROM {schema}.schedule WHERE name = %s RETURNING name",
+        "schedule_ticks": """
+            SELECT tick, message_id, enqueued_at FROM {schema}.schedule_tick
+             WHERE name = %s ORDER BY tick DESC LIMIT %s
+        """,
+        # Bounded: the oldest tick records, a batch at a time.
+        "schedule_purge_ticks": """
+            DELETE FROM {schema}.schedule_tick WHERE ctid = ANY(ARRAY(
+                SELECT ctid FROM {schema}.schedule_tick
+                 WHERE enqueued_at < now() - %s * interval '1 second'
+                 ORDER BY enqueued_at LIMIT %s FOR UPDATE SKIP LOCKED))
+        """,
+    }
+)
+
+
 def results_channel(schema: str) -> str:
     """The NOTIFY channel of result writes (payload: the result key)."""
     return f"{check_schema(schema)}_results"
@@ -1028,6 +1129,14 @@ class Statements:
     rate_limit_notify: bytes
     rate_limit_event: bytes
     rate_limit_purge: bytes
+    schedule_declare: bytes
+    schedule_seen: bytes
+    schedule_read: bytes
+    schedule_tick: bytes
+    schedule_list: bytes
+    schedule_forget: bytes
+    schedule_ticks: bytes
+    schedule_purge_ticks: bytes
 
 
 @cache

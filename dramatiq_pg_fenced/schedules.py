@@ -1,0 +1,562 @@
+"""Periodic messages: each tick of a schedule enqueued exactly once, by whichever process gets there first.
+
+Declare schedules next to their actors::
+
+    @schedule("0 3 * * *", tz="Europe/Paris")     # cron (5 fields, or 6 with seconds first)
+    @dramatiq.actor
+    def nightly_report(): ...
+
+    @schedule(every=10)                           # an interval, in seconds (or a timedelta)
+    @dramatiq.actor
+    def heartbeat(): ...
+
+or ``broker.schedules.add("actor_name", "*/5 * * * *")``.  Every ``dramatiq``
+worker process of the broker runs a :class:`Scheduler` thread (``scheduler=False``
+on the broker turns it off; ``dramatiq-pg-fenced scheduler MODULE`` runs one
+alone).  There is no leader: for a due tick every scheduler runs the same
+statement (``schedule_tick`` in sql.py), which advances the schedule's
+``last_tick`` under its row lock, records the tick and inserts its message,
+all or nothing; a tick at or before ``last_tick`` is refused, so one process
+wins and the others, and any that computed the tick long ago and come back
+late, do nothing.
+
+Policies:
+
+- **Clock**: the database's.  A scheduler reads ``clock_timestamp()``, and the
+  statement refuses a tick that is not due by ``now()``; a host's own clock
+  decides nothing (only how long a scheduler sleeps before it looks again).
+- **Late and missed ticks**: a tick found due within ``grace`` seconds (60 by
+  default) of its time is enqueued, each one (a scheduler that stalled briefly
+  catches up).  Older ticks were missed while no scheduler ran:
+  ``missed="once"`` (the default) enqueues one message for the latest of them,
+  then the schedule goes on; ``missed="skip"`` enqueues none of them.  Ticks
+  from before a schedule was first declared (or last changed) never count.
+- **Daylight saving**: cron expressions run in their time zone (``tz``, UTC by
+  default) as Debian's cron runs them (cronsim): a job at a fixed time that
+  falls in the hour skipped in spring runs when the clocks jump; one in the
+  hour repeated in autumn runs once.  Jobs that run more often than hourly
+  follow the wall clock, so they run in both passes of a repeated hour.
+  Intervals ignore time zones: their ticks are the multiples of the interval
+  since the Unix epoch, the same for every process.
+- **Changed or removed in code**: each process declares its definitions when
+  its scheduler starts; the process that declared last wins, and a process
+  whose definition differs from the stored one stops enqueuing that schedule
+  (it says so once).  A schedule no running scheduler declares any more is
+  enqueued by nobody; its row stays, listed as stale by ``dramatiq-pg-fenced
+  schedules`` (``--forget NAME`` removes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import psycopg
+from cronsim import CronSim, CronSimError
+from dramatiq.message import Message
+
+from .config import Settings
+from .database import Database
+from .delivery import Row
+from .periodic import Periodic
+from .sql import Statements, check_queue
+
+UTC = timezone.utc
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+#: Policies for ticks missed while no scheduler ran (see the module docstring).
+MISSED_POLICIES = ("once", "skip")
+DEFAULT_MISSED = "once"
+#: Seconds after its time a tick is still enqueued (late, not missed).
+DEFAULT_GRACE = 60.0
+#: The shortest interval: one second.
+MIN_EVERY_MS = 1000
+#: Seconds a scheduler sleeps at most before it reads the database clock again.
+MAX_SLEEP = 5.0
+#: Seconds between two declarations of a running scheduler's schedules (seen_at).
+SEEN_EVERY = 30.0
+#: A schedule no scheduler declared for this long is stale (stats, CLI).
+STALE_AFTER = 120.0
+#: Tick records are kept this long (seconds), purged every PURGE_EVERY seconds in batches.
+KEEP_TICKS = 86400
+PURGE_EVERY = 600.0
+PURGE_BATCH = 5000
+#: Ticks one schedule enqueues in one pass at most (the rest in the next pass).
+MAX_TICKS_PER_PASS = 1000
+#: Names: letters, digits and ``._:-`` (at most 200).
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+# -- when ticks fall (pure: no database) --------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """When a schedule ticks: a cron expression in a time zone, or an interval in milliseconds."""
+
+    cron: str | None = None
+    timezone: str | None = None
+    every_ms: int | None = None
+
+    @classmethod
+    def parse(cls, cron: Any = None, every: Any = None, tz: Any = None) -> Timing:
+        """Check and normalise what a user declared; :class:`ValueError` says what is wrong."""
+        if (cron is None) == (every is None):
+            raise ValueError("give a cron expression or every=<seconds>, one of the two")
+        if every is not None:
+            if tz is not None:
+                raise ValueError("an interval (every=) has no time zone: its ticks are multiples of it since the epoch")
+            if isinstance(every, timedelta):
+                seconds = every.total_seconds()
+            elif isinstance(every, (int, float)) and not isinstance(every, bool):
+                seconds = float(every)
+            else:
+                raise ValueError(f"every= takes seconds or a timedelta, not {every!r}")
+            if not math.isfinite(seconds) or seconds * 1000 < MIN_EVERY_MS:
+                raise ValueError(f"every= must be at least 1 second, not {every!r}")
+            return cls(every_ms=round(seconds * 1000))
+        if not isinstance(cron, str) or not cron.strip():
+            raise ValueError(f"a cron expression is a non-empty string, not {cron!r}")
+        zone = tz if tz is not None else "UTC"
+        if not isinstance(zone, str):
+            raise ValueError(f"tz= takes an IANA time zone name such as 'Europe/Paris', not {zone!r}")
+        timing = cls(cron=" ".join(cron.split()), timezone=zone)
+        try:
+            if not zone:
+                raise ValueError(zone)
+            timing.zone()
+        except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
+            raise ValueError(f"unknown time zone {zone!r} (an IANA name such as 'Europe/Paris' or 'UTC')") from None
+        try:
+            first = timing.after(datetime.now(UTC))
+        except CronSimError as e:
+            raise ValueError(f"bad cron expression {cron!r}: {e}") from None
+        if first is None:
+            raise ValueError(f"cron expression {cron!r} never matches (in the next 50 years)")
+        return timing
+
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo("UTC" if self.timezone is None else self.timezone)
+
+    def describe(self) -> str:
+        if self.every_ms is not None:
+            return f"every {self.every_ms / 1000:g}s"
+        return f"{self.cron} ({self.timezone})"
+
+    def after(self, moment: datetime) -> datetime | None:
+        """The first tick strictly after *moment* (UTC); ``None`` if none in 50 years."""
+        if self.every_ms is not None:
+            ms = _ms(moment)
+            return _at((ms // self.every_ms + 1) * self.every_ms)
+        assert self.cron is not None
+        try:
+            return next(CronSim(self.cron, moment.astimezone(self.zone()))).astimezone(UTC)
+        except StopIteration:
+            return None
+
+    def latest(self, moment: datetime, since: datetime) -> datetime | None:
+        """The last tick at or before *moment* and strictly after *since*; ``None`` if there is none."""
+        if moment <= since:
+            return None
+        if self.every_ms is not None:
+            last = _at(_ms(moment) // self.every_ms * self.every_ms)
+            return last if last > since else None
+        assert self.cron is not None
+        # cronsim's reverse iteration finds a recent match fast; the forward
+        # iteration from a little before it is the one that applies the
+        # daylight-saving rules exactly as the schedulers do.
+        floor = moment.replace(microsecond=0)
+        try:
+            back = next(CronSim(self.cron, (floor + timedelta(microseconds=1)).astimezone(self.zone()), reverse=True))
+        except StopIteration:
+            return None
+        start = max(since, back.astimezone(UTC) - timedelta(hours=3))
+        found: datetime | None = None
+        tick: datetime | None = self.after(start)
+        while tick is not None and tick <= moment:
+            found = tick
+            tick = self.after(tick)
+        return found
+
+    def due(
+        self, since: datetime, now: datetime, *, grace: float, missed: str, limit: int = MAX_TICKS_PER_PASS
+    ) -> list[datetime]:
+        """The ticks to enqueue at *now* when every tick up to *since* is done, oldest first.
+
+        Ticks in ``(now - grace, now]`` are late at most: each of them.  Ticks
+        in ``(since, now - grace]`` were missed: with ``missed="once"`` the latest
+        of them comes first, with ``"skip"`` none.
+        """
+        cut = now - timedelta(seconds=grace)
+        ticks: list[datetime] = []
+        if missed == "once" and since < cut:
+            latest_missed = self.latest(cut, since)
+            if latest_missed is not None:
+                ticks.append(latest_missed)
+        tick: datetime | None = self.after(max(since, cut))
+        while tick is not None and tick <= now and len(ticks) < limit:
+            ticks.append(tick)
+            tick = self.after(tick)
+        return ticks
+
+
+def _ms(moment: datetime) -> int:
+    delta = moment - EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+def _at(ms: int) -> datetime:
+    return EPOCH + timedelta(milliseconds=ms)
+
+
+# -- declaring schedules ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One declared schedule: which actor gets a message, with what, and when."""
+
+    name: str
+    actor_name: str
+    queue_name: str
+    timing: Timing
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    missed: str = DEFAULT_MISSED
+    grace: float = DEFAULT_GRACE
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the whole definition: processes that declare the same schedule the same way agree on it."""
+        definition = {
+            "actor": self.actor_name,
+            "queue": self.queue_name,
+            "timing": dataclasses.asdict(self.timing),
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            "options": self.options,
+            "missed": self.missed,
+            "grace_ms": self.grace_ms,
+        }
+        text = json.dumps(definition, sort_keys=True, default=repr, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def grace_ms(self) -> int:
+        return round(self.grace * 1000)
+
+    def message(self, tick: datetime) -> Message:
+        """The message of one tick (a new id; ``options`` say which schedule and tick)."""
+        options = {**self.options, "schedule": self.name, "tick": tick.isoformat()}
+        return Message(
+            queue_name=self.queue_name,
+            actor_name=self.actor_name,
+            args=tuple(self.args),
+            kwargs=dict(self.kwargs),
+            options=options,
+            message_id=str(uuid.uuid4()),
+        )
+
+
+class Schedules:
+    """The schedules declared in this process for one broker (``broker.schedules``)."""
+
+    def __init__(self, lookup: Callable[[str], Any] | None = None) -> None:
+        self._lookup = lookup
+        self._by_name: dict[str, Schedule] = {}
+
+    def add(
+        self,
+        actor: Any,
+        cron: str | None = None,
+        *,
+        every: float | timedelta | None = None,
+        tz: str | None = None,
+        name: str | None = None,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
+        missed: str = DEFAULT_MISSED,
+        grace: float = DEFAULT_GRACE,
+    ) -> Schedule:
+        """Declare a schedule of *actor* (a Dramatiq actor, or the name of one declared on this broker).
+
+        Raises :class:`ValueError` for a bad cron expression, time zone,
+        interval, policy or name, a name declared twice, an actor this broker
+        does not know, or arguments the message encoder cannot encode.
+        """
+        actor_name, queue_name = self._actor(actor)
+        name = actor_name if name is None else name
+        if not isinstance(name, str) or not 0 < len(name) <= 200 or not set(name) <= _NAME_CHARS:
+            raise ValueError(f"invalid schedule name {name!r}: use letters, digits and '._:-' (at most 200)")
+        if name in self._by_name:
+            raise ValueError(f"schedule {name!r} is declared twice; give the second one a name of its own (name=...)")
+        if missed not in MISSED_POLICIES:
+            raise ValueError(f"missed= is one of {', '.join(map(repr, MISSED_POLICIES))}, not {missed!r}")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 < grace < math.inf:
+            raise ValueError(f"grace= takes a positive number of seconds, not {grace!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise ValueError(f"args= takes a tuple or a list, not {args!r}")
+        timing = Timing.parse(cron, every, tz)
+        scheduled = Schedule(
+            name, actor_name, queue_name, timing, tuple(args), dict(kwargs or {}), dict(options or {}), missed, grace
+        )
+        try:
+            scheduled.message(datetime.now(UTC)).encode()
+        except Exception as e:
+            raise ValueError(f"the message of schedule {name!r} cannot be encoded: {e}") from None
+        self._by_name[name] = scheduled
+        return scheduled
+
+    def _actor(self, actor: Any) -> tuple[str, str]:
+        if isinstance(actor, str):
+            found = self._lookup(actor) if self._lookup is not None else None
+            if found is None:
+                raise ValueError(
+                    f"no actor named {actor!r} is declared on this broker (declare it before its schedule)"
+                )
+            actor = found
+        actor_name, queue_name = getattr(actor, "actor_name", None), getattr(actor, "queue_name", None)
+        if not isinstance(actor_name, str) or not isinstance(queue_name, str):
+            raise ValueError(f"a schedule needs a Dramatiq actor or the name of one, not {actor!r}")
+        check_queue(queue_name)
+        return actor_name, queue_name
+
+    def remove(self, name: str) -> None:
+        """Forget a schedule in this process (before its scheduler starts)."""
+        del self._by_name[name]
+
+    def get(self, name: str) -> Schedule | None:
+        return self._by_name.get(name)
+
+    def __iter__(self) -> Iterator[Schedule]:
+        return iter(sorted(self._by_name.values(), key=lambda s: s.name))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+
+def schedule(
+    cron: str | None = None,
+    *,
+    every: float | timedelta | None = None,
+    tz: str | None = None,
+    name: str | None = None,
+    args: tuple[Any, ...] | list[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+    missed: str = DEFAULT_MISSED,
+    grace: float = DEFAULT_GRACE,
+) -> Callable[[Any], Any]:
+    """Decorate a Dramatiq actor (put it above ``@dramatiq.actor``) to send it a message on every tick.
+
+    See :meth:`Schedules.add` for the parameters; the actor's broker must be a
+    :class:`~.broker.PostgresBroker`.
+    """
+
+    def decorate(actor: Any) -> Any:
+        registry = getattr(getattr(actor, "broker", None), "schedules", None)
+        if not isinstance(registry, Schedules):
+            raise TypeError("@schedule goes above @dramatiq.actor, on an actor whose broker is a PostgresBroker")
+        registry.add(
+            actor,
+            cron,
+            every=every,
+            tz=tz,
+            name=name,
+            args=args,
+            kwargs=kwargs,
+            options=options,
+            missed=missed,
+            grace=grace,
+        )
+        return actor
+
+    return decorate
+
+
+# -- the scheduler of one process ----------------------------------------------------
+class Scheduler(Periodic):
+    """Enqueues the due ticks of this process's schedules; sleeps until the next one is due (database clock)."""
+
+    name = "dramatiq-pg-scheduler"
+    what = "The scheduler"
+
+    def __init__(
+        self,
+        schedules: Schedules,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        logger: logging.Logger,
+        *,
+        row: Callable[[Message, int | None], Row],
+    ) -> None:
+        super().__init__(MAX_SLEEP, logger)
+        self.schedules = schedules
+        self.database = database
+        self.statements = statements
+        self.settings = settings
+        self.row = row
+        self.enqueued = 0  #: ticks this process won
+        self._wait = 0.0
+        self._declared_at: float | None = None
+        self._purged_at = time.monotonic()
+        self._stale: dict[str, str] = {}  # name -> the other fingerprint, said once
+        self._missed: dict[str, datetime] = {}  # name -> the last tick before the gap, said once
+
+    def next_wait(self) -> float:
+        return self._wait
+
+    def tick(self) -> None:
+        self._wait = 1.0  # if this pass fails
+        mine = list(self.schedules)
+        if not mine:
+            self._wait = MAX_SLEEP
+            return
+        if self._declared_at is None or time.monotonic() - self._declared_at > SEEN_EVERY:
+            self.declare(mine, first=self._declared_at is None)
+            self._declared_at = time.monotonic()
+        self._wait = self.run_once(mine)
+        if time.monotonic() - self._purged_at > PURGE_EVERY:
+            self._purged_at = time.monotonic()
+            self.purge()
+
+    def declare(self, mine: list[Schedule], *, first: bool) -> None:
+        """Store this process's definitions (``first``: they win), or say they are still declared."""
+        params = {
+            "names": [s.name for s in mine],
+            "actors": [s.actor_name for s in mine],
+            "queues": [s.queue_name for s in mine],
+            "crons": [s.timing.cron for s in mine],
+            "timezones": [s.timing.timezone for s in mine],
+            "every_ms": [s.timing.every_ms for s in mine],
+            "missed": [s.missed for s in mine],
+            "grace_ms": [s.grace_ms for s in mine],
+            "fingerprints": [s.fingerprint for s in mine],
+        }
+        statement = self.statements.schedule_declare if first else self.statements.schedule_seen
+        with self.database.connection(raw=True) as conn:
+            conn.execute(statement, params)
+
+    def run_once(self, mine: list[Schedule]) -> float:
+        """Enqueue every due tick of *mine*; returns the seconds until the next one is due (at most MAX_SLEEP)."""
+        with self.database.connection(raw=True) as conn:
+            rows = conn.execute(self.statements.schedule_read, [[s.name for s in mine]]).fetchall()
+            read_at = time.monotonic()
+            now: datetime = rows[0][0]
+            stored = {r[1]: r for r in rows if r[1] is not None}
+            for scheduled in mine:
+                row = stored.get(scheduled.name)
+                if row is None:
+                    self._declared_at = -math.inf  # forgotten by an operator: put back next pass (never overwriting)
+                    continue
+                _, _, fingerprint, last_tick, changed_at = row
+                if fingerprint != scheduled.fingerprint:
+                    self._say_stale(scheduled, fingerprint)
+                    continue
+                self._stale.pop(scheduled.name, None)
+                since = changed_at if last_tick is None else max(last_tick, changed_at)
+                due = scheduled.timing.due(since, now, grace=scheduled.grace, missed=scheduled.missed)
+                if since < now - timedelta(seconds=scheduled.grace) and self._missed.get(scheduled.name) != since:
+                    self._missed[scheduled.name] = since
+                    self._say_missed(scheduled, since, now)
+                for tick in due:
+                    self._enqueue(conn, scheduled, tick)
+        upcoming = [t for t in (s.timing.after(now) for s in mine if s.name not in self._stale) if t is not None]
+        if not upcoming:
+            return MAX_SLEEP
+        wait = (min(upcoming) - now).total_seconds() - (time.monotonic() - read_at) + 0.002
+        return min(max(wait, 0.001), MAX_SLEEP)
+
+    def _enqueue(self, conn: psycopg.Connection, scheduled: Schedule, tick: datetime) -> bool:
+        # A unique key of the actor (unique.py) is not applied: the tick is the message's uniqueness.
+        message_id, queue_name, actor_name, priority, _, payload, *_ = self.row(scheduled.message(tick), None)
+        inserted = conn.execute(
+            self.statements.schedule_tick,
+            {
+                "name": scheduled.name,
+                "fingerprint": scheduled.fingerprint,
+                "tick": tick,
+                "id": message_id,
+                "queue": queue_name,
+                "actor": actor_name,
+                "priority": priority,
+                "payload": payload,
+                "channel": self.settings.channel,
+                "listen": self.settings.listen,
+            },
+        ).fetchone()
+        won = bool(inserted and inserted[0])
+        if won:
+            self.enqueued += 1
+            self.logger.debug("Schedule %r: tick %s enqueued as message %s.", scheduled.name, tick, message_id)
+        return won
+
+    def _say_stale(self, scheduled: Schedule, other: str) -> None:
+        if self._stale.get(scheduled.name) != other:
+            self._stale[scheduled.name] = other
+            self.logger.warning(
+                "Schedule %r was declared differently by a process that started later (changed in code?); "
+                "this process's definition (%s) is out of date and it does not enqueue this schedule. "
+                "Restart it to take the new definition.",
+                scheduled.name,
+                scheduled.timing.describe(),
+            )
+
+    def _say_missed(self, scheduled: Schedule, since: datetime, now: datetime) -> None:
+        cut = now - timedelta(seconds=scheduled.grace)
+        if scheduled.timing.latest(cut, since) is None:
+            return  # nothing was missed, only late
+        what = "one message for the latest of them" if scheduled.missed == "once" else "none of them"
+        self.logger.info(
+            "Schedule %r missed its ticks between %s and %s (no scheduler ran); missed=%r enqueues %s.",
+            scheduled.name,
+            since.isoformat(),
+            cut.isoformat(),
+            scheduled.missed,
+            what,
+        )
+
+    def purge(self) -> int:
+        """Delete tick records older than KEEP_TICKS (one bounded batch)."""
+        with self.database.connection(raw=True) as conn:
+            return max(conn.execute(self.statements.schedule_purge_ticks, [KEEP_TICKS, PURGE_BATCH]).rowcount, 0)
+
+
+# -- what operators see ------------------------------------------------------------
+_LIST_COLUMNS = (
+    "name", "actor_name", "queue_name", "cron", "timezone", "every_ms", "missed", "grace_ms", "created_at",
+    "changed_at", "seen_at", "last_tick", "last_message_id", "last_enqueued_at",
+)  # fmt: skip
+
+
+def overview(database: Database, statements: Statements) -> list[dict[str, Any]]:
+    """Every stored schedule: its definition, last tick and that tick's message, next tick, and whether it is stale."""
+    rows = database.run(lambda conn: conn.execute(statements.schedule_list).fetchall())
+    found = []
+    for row in rows:
+        item = dict(zip(_LIST_COLUMNS, row[:-1], strict=True))
+        now: datetime = row[-1]
+        timing = Timing(item["cron"], item["timezone"], item["every_ms"])
+        item["last_message_id"] = None if item["last_message_id"] is None else str(item["last_message_id"])
+        item["schedule"] = timing.describe()
+        item["stale"] = (now - item["seen_at"]).total_seconds() > STALE_AFTER
+        try:
+            since = max(now, item["last_tick"] or now)
+            item["next_tick"] = None if item["stale"] else timing.after(since)
+        except (CronSimError, ZoneInfoNotFoundError, ValueError):
+            item["next_tick"] = None  # stored by another version of the definition rules
+        found.append(item)
+    return found
+
+
+def forget(database: Database, statements: Statements, name: str) -> bool:
+    """Remove a schedule's row; returns whether there was one."""
+    return database.run(lambda conn: conn.execute(statements.schedule_forget, [name]).fetchone()) is not None
