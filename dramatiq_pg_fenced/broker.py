@@ -269,6 +269,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             writer=parts.writer,
             doorbell=self._doorbell(parts),
             logger=self.logger,
+            priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
+            look_back=parts.look_back,
         )
 
     def _doorbell(self, parts: ProcessParts) -> Any:
@@ -277,6 +279,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             return None
         doorbell = self.database.doorbell(self.channel, timed=True)
         doorbell.on("cancel", parts.leases.mark_cancelled)
+        doorbell.on("back", parts.look_back.request)
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:

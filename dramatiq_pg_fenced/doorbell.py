@@ -184,3 +184,12 @@ def poll_pauses(poll_interval: float, *, listening: bool) -> Iterator[float]:
     while True:
         yield pause
         pause = min(pause * 2, poll_interval)
+
+
+def look_back(queues: list[str]) -> list[str]:
+    """Payloads that tell consumers rows went back to *queues* at their old place in line, then ring them.
+
+    ``"!back <queue>"`` comes first, so a consumer woken by the ring already
+    knows to claim from the head (see :class:`~.consumer.Floor`).
+    """
+    return [f"!back {q}" for q in queues] + list(queues)
