@@ -111,17 +111,18 @@ class LookBack:
 class Floor:
     """Where one consumer's claims start: ``(priority, available_at)`` in the claim index's order.
 
-    After a claim from the head that came back with rows but short of its
-    limit, nothing was left claimable at the database's ``now()`` of that
-    claim (rows locked by other consumers' claims aside).  So later claims may
-    start at ``(lowest priority of the queue's actors, that now() -
-    FLOOR_MARGIN)``: the dead entries before it (the claimed rows' old
-    versions) are not visited.  A row that lands behind the floor anyway (an
-    enqueue that committed late, a message of a priority no actor here has, a
-    row put back at its old place) is found by the next claim from the head:
-    one every ``LOOK_BACK_EVERY`` seconds, or at once after a ``"!back"``
-    notification, after a lost claim, and while the queue has a backlog
-    (a claim that comes back full says nothing about what lies before).
+    A claim that comes back with rows proves that, at the database's
+    ``now()`` of that claim, nothing was claimable between where it started
+    and its first row (rows locked by other consumers' claims aside), nor
+    anywhere after it if it came back short of its limit.  So the next claim
+    may start at ``(the lowest priority of the queue's actors, that point -
+    FLOOR_MARGIN)``, and does not visit the dead entries before it (the
+    claimed rows' old versions, which no vacuum may remove while some
+    session's snapshot is older).  A row that lands behind the floor anyway
+    (an enqueue that committed late, a message of a priority no actor here
+    has, a row put back at its old place) is found by the next claim from the
+    head: one every ``LOOK_BACK_EVERY`` seconds, and at once after a
+    ``"!back"`` notification or a lost claim.
     """
 
     def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
@@ -143,15 +144,24 @@ class Floor:
         return (self.priority, self.at)
 
     def claimed(self, start: tuple[int, Any], rows: list[tuple], limit: int) -> None:
-        """After a claim from *start* that returned *rows* (up to *limit*)."""
-        if start is not HEAD:
-            return  # what it proved holds only from the floor on
-        self._head_due = time.monotonic() + LOOK_BACK_EVERY
-        if len(rows) >= limit:
-            self.at = None  # a backlog: what lies before the last row claimed is unknown
-        elif rows:
-            self.at = rows[0][7] - FLOOR_MARGIN  # the database's now() of the claim
-        # No rows: the queue was idle or paused; the floor stays where it was.
+        """After a claim from *start* that returned *rows* (``priority, available_at`` at 4, 5; now() at 7)."""
+        if start is HEAD:
+            self._head_due = time.monotonic() + LOOK_BACK_EVERY
+        elif self.at is None:
+            return  # forgotten meanwhile: only a claim from the head sets it again
+        if not rows:
+            return  # idle or paused: no proof of where the queue stands; the floor stays
+        now = rows[0][7]
+        if len(rows) < limit:
+            clear = now  # nothing claimable was left at all
+        else:
+            priority, at = min((r[4], r[5], r[6]) for r in rows)[:2]
+            if priority < self.priority:
+                self.at = None  # a priority no actor here has is in line: claim from the head
+                return
+            clear = min(at, now) if priority == self.priority else now
+        at = clear - FLOOR_MARGIN
+        self.at = at if start is HEAD or self.at is None else max(self.at, at)
 
     def forget(self) -> None:
         self.at = None

@@ -218,14 +218,31 @@ def test_a_lost_claim_makes_the_next_claim_look_back(broker: PostgresBroker, no_
         c.close()
 
 
-def test_a_full_claim_keeps_claiming_from_the_head(broker: PostgresBroker, no_look_back: None) -> None:
-    for n in range(6):
-        send(broker, n)
+def test_a_backlog_drains_in_order_from_the_floor(broker: PostgresBroker, no_look_back: None, starts: list) -> None:
+    sent = [send(broker, n).message_id for n in range(7)]
     c = broker.consume("floor", prefetch=2, timeout=200)
     try:
-        got = [next_message(c), next_message(c)]  # two of six: a backlog
-        assert c.floor.at is None
-        for m in got:
+        got = []
+        for _ in range(7):
+            m = next_message(c)
+            got.append(m.message_id)
             c.ack(m)
+        assert got == sent
+        assert any(s is not HEAD for s in starts)  # full claims set the floor too
+    finally:
+        c.close()
+
+
+def test_a_priority_no_actor_here_has_sends_claims_back_to_the_head(broker: PostgresBroker, no_look_back: None) -> None:
+    urgent = [late_row(broker, priority=-5, seconds_ago=1) for _ in range(3)]
+    c = broker.consume("floor", prefetch=2, timeout=200)
+    try:
+        first = [next_message(c), next_message(c)]  # a full claim, and its first row is of priority -5
+        assert c.floor.at is None
+        for m in first:
+            c.ack(m)
+        third = next_message(c)
+        assert {m.message_id for m in [*first, third]} == set(urgent)
+        c.ack(third)
     finally:
         c.close()
