@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq.message import Message
 from helpers import query, wait_for
@@ -244,5 +245,27 @@ def test_a_priority_no_actor_here_has_sends_claims_back_to_the_head(broker: Post
         third = next_message(c)
         assert {m.message_id for m in [*first, third]} == set(urgent)
         c.ack(third)
+    finally:
+        c.close()
+
+
+def test_a_message_sent_in_a_long_transaction_is_claimed_at_its_commit(
+    broker: PostgresBroker, dramatiq_pg_url: str, no_look_back: None
+) -> None:
+    """The outbox: the row's place in line is its transaction's start, long before the floor."""
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        with psycopg.connect(dramatiq_pg_url) as conn:
+            conn.execute("SELECT now()")  # the transaction has begun: its now() is fixed
+            time.sleep(0.4)
+            send(broker, 0)
+            first = drained_floor(broker, c)
+            with broker.transaction(conn):
+                outboxed = send(broker, 1)
+            assert next(c) is None  # not committed yet
+        got = next_message(c)
+        assert got.message_id == outboxed.message_id
+        c.ack(first)
+        c.ack(got)
     finally:
         c.close()
