@@ -76,7 +76,7 @@ class LostClaims:
 
 
 #: Where a claim from the head of the index starts: before every row.
-HEAD = (-(2**31), "-infinity")
+HEAD = (-(2**31), "-infinity", -(2**63))
 #: Seconds between two claims from the head, at most (see :class:`Floor`).
 LOOK_BACK_EVERY = 1.0
 #: How far before the database's clock at a drained claim the floor is put:
@@ -109,14 +109,15 @@ class LookBack:
 
 
 class Floor:
-    """Where one consumer's claims start: ``(priority, available_at)`` in the claim index's order.
+    """Where one consumer's claims start: ``(priority, available_at, seq)`` in the claim index's order.
 
     A claim that comes back with rows proves that, at the database's
     ``now()`` of that claim, nothing was claimable between where it started
     and its first row (rows locked by other consumers' claims aside), nor
     anywhere after it if it came back short of its limit.  So the next claim
-    may start at ``(the lowest priority of the queue's actors, that point -
-    FLOOR_MARGIN)``, and does not visit the dead entries before it (the
+    may start at the lowest priority of the queue's actors and, within it, at
+    the first row of a full claim, or ``FLOOR_MARGIN`` before the ``now()`` of
+    a short one; it does not visit the dead entries before that point (the
     claimed rows' old versions, which no vacuum may remove while some
     session's snapshot is older).  A row that lands behind the floor anyway
     (an enqueue that committed late, a message of a priority no actor here
@@ -129,11 +130,11 @@ class Floor:
         self.priority = priority
         self.look_back = look_back
         self.queue_name = queue_name
-        self.at: datetime | None = None  # None: claim from the head
+        self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
         self._head_due = 0.0  # monotonic
         self._back_seen = look_back.count(queue_name) if look_back is not None else 0
 
-    def start(self) -> tuple[int, Any]:
+    def start(self) -> tuple[int, Any, int]:
         """Where the next claim starts; ``HEAD`` when it must look back."""
         back = self.look_back.count(self.queue_name) if self.look_back is not None else 0
         if back != self._back_seen:
@@ -141,26 +142,25 @@ class Floor:
             self.at = None
         if self.at is None or time.monotonic() >= self._head_due:
             return HEAD
-        return (self.priority, self.at)
+        return (self.priority, *self.at)
 
-    def claimed(self, start: tuple[int, Any], rows: list[tuple], limit: int) -> None:
-        """After a claim from *start* that returned *rows* (``priority, available_at`` at 4, 5; now() at 7)."""
+    def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
+        """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
         if start is HEAD:
             self._head_due = time.monotonic() + LOOK_BACK_EVERY
         elif self.at is None:
             return  # forgotten meanwhile: only a claim from the head sets it again
         if not rows:
             return  # idle or paused: no proof of where the queue stands; the floor stays
-        now = rows[0][7]
+        drained = (rows[0][7] - FLOOR_MARGIN, HEAD[2])
         if len(rows) < limit:
-            clear = now  # nothing claimable was left at all
+            at = drained  # nothing claimable was left at all
         else:
-            priority, at = min((r[4], r[5], r[6]) for r in rows)[:2]
+            priority, available_at, seq = min((r[4], r[5], r[6]) for r in rows)
             if priority < self.priority:
                 self.at = None  # a priority no actor here has is in line: claim from the head
                 return
-            clear = min(at, now) if priority == self.priority else now
-        at = clear - FLOOR_MARGIN
+            at = (available_at, seq) if priority == self.priority else drained
         self.at = at if start is HEAD or self.at is None else max(self.at, at)
 
     def forget(self) -> None:
@@ -342,6 +342,7 @@ class PostgresConsumer(Consumer):
             "consumer": self.consumer_id,
             "from_priority": start[0],
             "from_at": start[1],
+            "from_seq": start[2],
         }
         claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
         rows = conn.execute(claim, params).fetchall()

@@ -328,17 +328,17 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
 def _claim(*, relaxed: bool) -> str:
     # A paused queue (a row in paused_queue) is skipped: the NOT EXISTS does
     # not depend on the row, so it runs once per claim (one primary-key probe).
-    # (priority, available_at) >= (%(from_priority)s, %(from_at)s) is where the
+    # (priority, available_at, seq) >= (%(from_priority)s, %(from_at)s, %(from_seq)s) is where the
     # index scan starts: a consumer that knows nothing is claimable before that
     # point skips the entries its earlier claims left dead at the head of the
     # index, which no vacuum may remove while another session's snapshot is
-    # older (see consumer.Floor).  (MIN_PRIORITY, '-infinity') starts at the
-    # head.  now() comes back with the rows: the database's clock sets the floor.
+    # older (see consumer.Floor).  consumer.HEAD starts at the head.  now() comes back with the rows: the database's clock sets the floor.
     return f"""
         WITH due AS (
             SELECT message_id FROM {{schema}}.message
              WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
-               AND (priority, available_at) >= (%(from_priority)s::int, %(from_at)s::timestamptz)
+               AND (priority, available_at, seq)
+                   >= (%(from_priority)s::int, %(from_at)s::timestamptz, %(from_seq)s::bigint)
                AND NOT EXISTS (SELECT FROM {{schema}}.paused_queue AS p WHERE p.queue_name = %(queue)s)
              ORDER BY priority, available_at, seq
              LIMIT %(limit)s

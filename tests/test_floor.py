@@ -44,12 +44,12 @@ def no_look_back(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, Any]]]:
+def starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, Any, int]]]:
     """Where each claim of the test started."""
-    seen: list[tuple[int, Any]] = []
+    seen: list[tuple[int, Any, int]] = []
     real = consumer.Floor.start
 
-    def start(self: consumer.Floor) -> tuple[int, Any]:
+    def start(self: consumer.Floor) -> tuple[int, Any, int]:
         where = real(self)
         seen.append(where)
         return where
@@ -101,7 +101,9 @@ def test_a_rescued_message_behind_the_floor_is_claimed_at_once(broker: PostgresB
         send(broker, 1)
         newer = drained_floor(broker, c)
         assert query(
-            broker, "SELECT available_at < %s FROM {schema}.message WHERE message_id = %s", [c.floor.at, old.message_id]
+            broker,
+            "SELECT available_at < %s FROM {schema}.message WHERE message_id = %s",
+            [c.floor.at[0], old.message_id],
         ) == [(True,)]
         # Its holder vanished: the lease lapses and maintenance (of any process) puts it back.
         query(
