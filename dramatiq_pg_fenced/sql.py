@@ -150,7 +150,8 @@ _TEMPLATES = {
     "release_unseen": f"""
         UPDATE {{schema}}.message
            SET {_LOST}
-         WHERE state = 'running' AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
+         WHERE state = 'running' AND lease_expires_at IS NOT NULL
+           AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
            AND message_id <> ALL(%(held)s::uuid[])
         RETURNING message_id, state
     """,
@@ -511,7 +512,8 @@ _TEMPLATES.update(
             ),
             running AS (
                 SELECT queue_name, count(*) AS n, count(*) FILTER (WHERE lease_expires_at < now()) AS expired
-                  FROM {{schema}}.message WHERE state = 'running' GROUP BY queue_name
+                  FROM {{schema}}.message WHERE state = 'running' AND lease_expires_at IS NOT NULL
+                 GROUP BY queue_name
             ),
             recent AS (
                 SELECT queue_name,
@@ -669,7 +671,10 @@ _TEMPLATES.update(
             "priority DESC, at DESC, seq DESC",
         ),
         # Running: newest first (few rows: the lease index).
-        "list_running": _page("message", "lease_expires_at", "state = 'running' AND seq < %(seq)s", "seq DESC", "seq"),
+        "list_running": _page(
+            "message", "lease_expires_at", "state = 'running' AND lease_expires_at IS NOT NULL AND seq < %(seq)s",
+            "seq DESC", "seq"
+        ),
         # Finished: most recently finished first.
         "list_done": _page(
             "history",
