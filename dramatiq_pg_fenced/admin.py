@@ -20,6 +20,7 @@ from dramatiq.errors import BrokerError
 from dramatiq.message import Message
 
 from .database import Database
+from .doorbell import look_back
 from .errors import describe_failure, lost_connection
 from .fencing import State
 from .sql import FINISHED_STATES, Statements, check_queue
@@ -242,7 +243,7 @@ def resume(database: Database, statements: Statements, queue_name: str, channel:
     def work(conn: psycopg.Connection) -> bool:
         row = conn.execute(statements.resume, [queue_name]).fetchone()
         if row is not None and channel is not None:
-            conn.execute(statements.notify, [channel, [queue_name]])
+            conn.execute(statements.notify, [channel, look_back([queue_name])])
         return row is not None
 
     return database.run(work, transaction=True)

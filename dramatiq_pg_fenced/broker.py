@@ -43,6 +43,7 @@ from .config import (
 from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
+from .doorbell import look_back
 from .enqueue import Enqueuer
 from .errors import DeadLetterError
 from .fencing import Write
@@ -282,6 +283,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             writer=parts.writer,
             doorbell=self._doorbell(parts),
             logger=self.logger,
+            priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
+            look_back=parts.look_back,
         )
 
     def start_scheduler(self) -> bool:
@@ -300,6 +303,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             return None
         doorbell = self.database.doorbell(self.channel, timed=True)
         doorbell.on("cancel", parts.leases.mark_cancelled)
+        doorbell.on("back", parts.look_back.request)
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:
@@ -413,6 +417,12 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         rows = [self.enqueuer.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
+            if self.listen:
+                # The rows carry the caller's transaction's start as their place in line, and appear
+                # only at its commit: consumers must look back at the head for them (consumer.Floor).
+                # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
+                queues = sorted({r[1] for r in rows})
+                caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
             self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
             return
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.

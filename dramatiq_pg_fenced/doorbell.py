@@ -184,3 +184,13 @@ def poll_pauses(poll_interval: float, *, listening: bool) -> Iterator[float]:
     while True:
         yield pause
         pause = min(pause * 2, poll_interval)
+
+
+def look_back(queues: list[str], *, ring: bool = True) -> list[str]:
+    """Payloads that tell consumers rows went back to *queues* at their old place in line, then ring them.
+
+    ``"!back <queue>"`` comes first, so a consumer woken by the ring already
+    knows to claim from the head (see :class:`~.consumer.Floor`).  *ring*
+    false: the ``"!back"`` payloads only (a statement to follow rings).
+    """
+    return [f"!back {q}" for q in queues] + (list(queues) if ring else [])

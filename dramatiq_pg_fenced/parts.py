@@ -18,7 +18,7 @@ from dramatiq.message import Message
 
 from . import delivery
 from .config import Settings
-from .consumer import LostClaims
+from .consumer import LookBack, LostClaims
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .fencing import StaleWrites, Write
@@ -49,6 +49,7 @@ class ProcessParts:
         self.stale = StaleWrites(statements, logger)
         self.leases = Leases()
         self.lost_claims = LostClaims()
+        self.look_back = LookBack()
         self.keeper = LeaseKeeper(self.leases, database, statements, settings, logger)
         self.gate = StartGate(self.leases, database, statements)
         self.maintenance = Maintenance(self.leases, database, statements, settings, logger)
