@@ -49,11 +49,12 @@ class CancelOutcome(str, Enum):
 def cancel(database: Database, statements: Statements, message_id: str, *, channel: str, listen: bool) -> CancelOutcome:
     """Cancel a message whatever its attempt (administrative: not fenced).
 
-    A running one is announced on *channel* (``!cancel <id>``), so a worker
-    that holds it in its prefetch never starts it.
+    A running one is announced on *channel* (``!cancel <id>``, and
+    ``!interrupt <id> <delivery>``), so a worker that holds it in its prefetch
+    never starts it, and one that runs it with ``interrupt_on_cancel`` stops it.
     """
     message_id = check_message_id(message_id)
-    params = [message_id, listen, channel]
+    params = {"id": message_id, "listen": listen, "channel": channel}
     row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
     if row is not None:
         return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING

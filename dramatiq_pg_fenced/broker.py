@@ -30,6 +30,7 @@ from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
     DEFAULT_DURABLE_OUTCOMES,
+    DEFAULT_INTERRUPT_ON_CANCEL,
     DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
@@ -80,6 +81,11 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         extensions and shutdown releases wait for the WAL flush too.  By
         default they do not: one lost in a database crash makes its message
         run again (at-least-once), never lost; the enqueue stays durable.
+      interrupt_on_cancel: ``True`` makes every actor without its own
+        ``interrupt_on_cancel`` option stop when its running message is
+        cancelled (``MessageCancelled`` raised in its thread; see
+        :mod:`.interrupt`).  By default only actors declared with
+        ``interrupt_on_cancel=True`` are.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         synchronous_commit: bool = True,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
+        interrupt_on_cancel: bool = DEFAULT_INTERRUPT_ON_CANCEL,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -123,6 +130,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             max_deliveries=max_deliveries,
             keep_finished=int(keep_finished),
             durable_outcomes=bool(durable_outcomes),
+            interrupt_on_cancel=bool(interrupt_on_cancel),
         )
         self.database = Database(
             url,
@@ -168,6 +176,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
     durable_outcomes = property(lambda self: self.settings.durable_outcomes)
+    interrupt_on_cancel = property(lambda self: self.settings.interrupt_on_cancel)
     keep_finished = property(lambda self: self.settings.keep_finished)
 
     @property
@@ -256,6 +265,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         # processes' expired leases, so a consuming process runs it from the start.
         parts.keeper.start()
         parts.maintenance.start()
+        if not self.listen:
+            parts.cancel_watch.start()  # no "!interrupt" notification comes: read the rows (only while one runs)
         return PostgresConsumer(
             queue_name,
             prefetch,
@@ -272,11 +283,12 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         )
 
     def _doorbell(self, parts: ProcessParts) -> Any:
-        """This process's wake-up channel; it also hears of cancelled messages that must not start."""
+        """This process's wake-up channel; it also hears of cancelled messages that must not start, or must stop."""
         if not self.listen:
             return None
         doorbell = self.database.doorbell(self.channel, timed=True)
         doorbell.on("cancel", parts.leases.mark_cancelled)
+        doorbell.on("interrupt", parts.interrupter.command)
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:
