@@ -66,7 +66,7 @@ class Worker:
             start_new_session=True,
         )
 
-    def stop(self) -> None:
+    def stop(self, *, keep_log: bool = False) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -74,7 +74,10 @@ class Worker:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        os.unlink(self.log.name)
+        if keep_log:
+            print(f"worker log: {self.log.name}")
+        else:
+            os.unlink(self.log.name)
 
 
 def fresh_schema(url: str) -> tuple[PostgresBroker, str]:
@@ -153,6 +156,7 @@ def main() -> None:
     for listen in (True, False):
         broker, schema = fresh_schema(args.url)
         worker = Worker(args.url, schema, listen=listen, poll_interval=1.0)
+        failed = True
         try:
             measure(broker, "spin", (), 3, 0.01)  # the worker is up and warm
             for name, actor, actor_args, runs, spread, case_listen in cases:
@@ -164,8 +168,9 @@ def main() -> None:
                     f"{max(stops):>9.1f} {statistics.median(calls):>13.2f}",
                     flush=True,
                 )
+            failed = False
         finally:
-            worker.stop()
+            worker.stop(keep_log=failed)
             broker.close()
             with psycopg.connect(args.url, autocommit=True) as conn:
                 conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))

@@ -32,6 +32,9 @@ Races, and why none hurts:
   in the worker's own code or in the next message the thread runs.  A body
   that returned, or swallowed the exception, while it was interrupted still
   ends with :class:`MessageCancelled`.
+- *Cancelled inside a* :func:`shielded` *block* (the broker's own database
+  calls are): the thread raises the exception itself as the block ends, so a
+  connection pool is never left half-way.
 - *Two deliveries of one message in this process* (an old one that lost its
   lease still runs): each is known by its own token; only the cancelled one is
   stopped.
@@ -48,20 +51,24 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.middleware.threading import Interrupt, current_platform, raise_thread_exception
 
 from . import delivery as running_delivery
-from .config import Settings
-from .database import Database
 from .fencing import State
 from .periodic import Periodic
-from .sql import Statements
+
+if TYPE_CHECKING:  # database.py shields its calls with this module's shielded()
+    from .config import Settings
+    from .database import Database
+    from .sql import Statements
 
 
 class MessageCancelled(Interrupt):
@@ -80,7 +87,41 @@ class Running:
     attempt: int
     delivery: str  # the fence token
     thread_id: int
-    interrupted: bool = False  #: an interrupt was sent (at most one per delivery)
+    lock: threading.Lock  # its interrupter's
+    interrupted: bool = False  #: an interrupt was sent, or raised at the end of a shield (once per delivery)
+    shields: int = 0  #: nested shielded() blocks the thread is in
+    deferred: bool = False  #: cancelled inside a shield: raised as the outermost one ends
+
+
+_here = threading.local()  # per worker thread: the Running entry of the body it runs, if any
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """Inside the block a cancel does not interrupt this thread; it does as the block ends.
+
+    For code that must not stop half-way (a connection pool's bookkeeping, a
+    write and its cleanup).  The broker's own database calls are shielded
+    (``Database.connection`` and ``run``: a send, ``is_cancelled``, a result
+    read from an actor); wrap your own pools and clients in it.  Outside an
+    interruptible actor it does nothing.
+    """
+    entry: Running | None = getattr(_here, "entry", None)
+    if entry is None:
+        yield
+        return
+    with entry.lock:
+        entry.shields += 1
+    fire = False
+    try:
+        yield
+    finally:
+        with entry.lock:
+            entry.shields -= 1
+            if entry.shields == 0 and entry.deferred and not entry.interrupted:
+                entry.interrupted = fire = True
+        if fire and sys.exc_info()[1] is None:
+            raise MessageCancelled(describe(entry.message_id, entry.attempt))
 
 
 class Interrupter:
@@ -116,7 +157,7 @@ class Interrupter:
             # left (so none is pending); forget it.
             for token in [t for t, r in self._running.items() if r.thread_id == thread_id]:
                 del self._running[token]
-            self._running[delivery] = Running(message_id, attempt, delivery, thread_id)
+            _here.entry = self._running[delivery] = Running(message_id, attempt, delivery, thread_id, self._lock)
         return True
 
     def leave(self, delivery: str) -> bool:
@@ -132,6 +173,7 @@ class Interrupter:
                     entry = self._running.get(delivery)
                     if entry is not None and entry.thread_id == threading.get_ident():
                         del self._running[delivery]
+                        _here.entry = None
                         if entry.interrupted:
                             interrupted = True
                             clear_pending(entry.thread_id)
@@ -149,11 +191,14 @@ class Interrupter:
                 while len(self._cancelled) > self.REMEMBERED:
                     self._cancelled.popitem(last=False)
                 return False
-            if entry.interrupted:
+            if entry.interrupted or entry.deferred:
                 return False
-            entry.interrupted = True
             self.interrupts += 1
-            raise_thread_exception(entry.thread_id, MessageCancelled)
+            if entry.shields:
+                entry.deferred = True  # raised by the thread itself as its shield ends
+            else:
+                entry.interrupted = True
+                raise_thread_exception(entry.thread_id, MessageCancelled)
         self.logger.info(
             "Message %s was cancelled while its actor ran (attempt %d): interrupted.", message_id, entry.attempt
         )
@@ -168,7 +213,7 @@ class Interrupter:
     def running(self) -> dict[str, str]:
         """The interruptible deliveries whose actors run here, not interrupted yet: token -> message id."""
         with self._lock:
-            return {token: r.message_id for token, r in self._running.items() if not r.interrupted}
+            return {token: r.message_id for token, r in self._running.items() if not (r.interrupted or r.deferred)}
 
 
 def describe(message_id: str, attempt: int) -> str:

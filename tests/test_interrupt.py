@@ -19,7 +19,7 @@ from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import CancelOutcome, PostgresBroker
-from dramatiq_pg_fenced.interrupt import Interrupter, MessageCancelled, interruptible, with_throws
+from dramatiq_pg_fenced.interrupt import Interrupter, MessageCancelled, interruptible, shielded, with_throws
 from dramatiq_pg_fenced.results import PostgresBackend
 
 
@@ -45,12 +45,13 @@ PATHS = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("kind", ["cpu", "sleep"])
+@pytest.mark.parametrize("kind", ["cpu", "sleep", "db"])
 def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
     dramatiq_pg_broker_factory: Factory, kind: str, path: str
 ) -> None:
     """Given an actor with interrupt_on_cancel, storing results, first step of a pipeline,
-    running a pure-Python loop (cpu) or sleeping in 50 ms steps (sleep); when its message is
+    running a pure-Python loop (cpu), sleeping in 50 ms steps (sleep) or running 10 ms
+    statements on the broker's pool (db); when its message is
     cancelled, I expect MessageCancelled in its thread, no retry, no result, no successor, the
     row cancelled, its nack dropped as a cancelled write; and the same thread runs the next
     message normally."""
@@ -74,6 +75,9 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
                 n = 0
                 while True:
                     n += 1
+            while kind == "db":  # the broker's database calls are shielded: stopped between them
+                with broker.database.connection() as conn:
+                    conn.execute("SELECT pg_sleep(0.01)")
             while True:
                 time.sleep(0.05)
         except MessageCancelled as e:
@@ -125,6 +129,8 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
     assert stats["stale_writes"] == before["stale_writes"]
     assert broker.interrupter.interrupts == 1
     assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'dead'") == [(0,)]
+    pool = broker.database._here().pool.get_stats()
+    assert pool.get("requests_waiting", 0) == 0 and pool["pool_available"] >= 1
 
 
 def test_without_the_option_a_cancelled_actor_runs_on(dramatiq_pg_broker: PostgresBroker) -> None:
@@ -349,6 +355,35 @@ def test_the_wrapped_body_ends_cancelled_even_if_it_swallows_the_exception() -> 
     thread.join(5)
     assert isinstance(out.get("raised"), MessageCancelled), out
     assert "m1" in str(out["raised"])
+
+
+def test_a_cancel_inside_a_shielded_block_stops_the_body_as_the_block_ends() -> None:
+    interrupter = Interrupter(__import__("logging").getLogger("test"))
+    entered, inside = threading.Event(), threading.Event()
+    steps: list[str] = []
+
+    def body() -> None:
+        assert interrupter.enter("m1", 1, "t1")
+        try:
+            with shielded():
+                entered.set()
+                assert inside.wait(5)
+                spin(0.2)  # pure Python: an interrupt would land here if the shield let it
+                steps.append("block done")
+            steps.append("after the block")  # never: it raises as the block ends
+        finally:
+            interrupter.leave("t1")
+
+    thread, out = in_thread(body)
+    assert entered.wait(5)
+    assert interrupter.cancelled("m1", "t1") is True  # deferred
+    assert interrupter.running() == {}  # the watch does not ask for it again
+    inside.set()
+    thread.join(5)
+    assert steps == ["block done"]
+    assert isinstance(out.get("raised"), MessageCancelled)
+    with shielded():  # outside an interruptible body: nothing
+        pass
 
 
 def test_with_throws_adds_message_cancelled_once() -> None:

@@ -39,9 +39,9 @@ def note(event: str) -> None:
 @dramatiq.actor(max_retries=0, interrupt_on_cancel=True)
 def spin(seconds: float | None = None) -> None:
     """Pure Python, for *seconds* (``None``: until cancelled)."""
-    note("started")
     deadline = None if seconds is None else time.monotonic() + seconds
     try:
+        note("started")  # in the try: a cancel may land before note() has returned
         n = 0
         while deadline is None or time.monotonic() < deadline:
             n += 1
@@ -53,8 +53,8 @@ def spin(seconds: float | None = None) -> None:
 @dramatiq.actor(max_retries=0, interrupt_on_cancel=True)
 def nap(step: float = 0.05) -> None:
     """Sleeps in steps of *step* seconds until cancelled (a sleep is a C call: it ends before the interrupt lands)."""
-    note("started")
     try:
+        note("started")
         while True:
             time.sleep(step)
     except MessageCancelled:
