@@ -451,6 +451,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
+        local["interrupts"] = parts.interrupter.interrupts if parts is not None else 0
         held = len(parts.leases.snapshot()) if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)
         return {"process": {**local, "held": held}, "totals": totals, "queues": queues}

@@ -127,7 +127,7 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
         backend.get_result(pipe.messages[0])  # no result, not even the stored exception
     assert stats["cancelled_writes"] == before["cancelled_writes"] + 2  # the nack, and the exception as result
     assert stats["stale_writes"] == before["stale_writes"]
-    assert broker.interrupter.interrupts == 1
+    assert broker.interrupter.interrupts == stats["interrupts"] == 1
     assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'dead'") == [(0,)]
     pool = broker.database._here().pool.get_stats()
     assert pool.get("requests_waiting", 0) == 0 and pool["pool_available"] >= 1
@@ -244,6 +244,9 @@ def test_cancel_stops_actors_in_dramatiq_cli_workers(
     assert cli.poll() is None
     cli.send_signal(signal.SIGTERM)
     assert cli.wait(60) == 0, cli.log_path.read_text()  # type: ignore[attr-defined]
+    log = cli.log_path.read_text()  # type: ignore[attr-defined]
+    assert log.count("expected exception MessageCancelled") == 2, log
+    assert "CRITICAL" not in log and "unhandled exception" not in log, log
 
 
 # -- the interrupter alone: races, without a database ------------------------------------
@@ -390,3 +393,35 @@ def test_with_throws_adds_message_cancelled_once() -> None:
     assert with_throws(None) == (MessageCancelled,)
     assert with_throws(ValueError) == (ValueError, MessageCancelled)
     assert with_throws((KeyError, MessageCancelled)) == (KeyError, MessageCancelled)
+
+
+def test_an_async_actor_is_stopped_too(dramatiq_pg_broker: PostgresBroker) -> None:
+    """Given an async actor (Dramatiq's AsyncIO middleware) with interrupt_on_cancel; when its
+    message is cancelled, I expect its coroutine cancelled and the delivery to end as cancelled."""
+    import asyncio
+
+    from dramatiq.middleware.asyncio import AsyncIO
+
+    broker = dramatiq_pg_broker
+    broker.add_middleware(AsyncIO())
+    started = threading.Event()
+    seen: list[str] = []
+
+    @dramatiq.actor(queue_name="iy", interrupt_on_cancel=True)
+    async def waits() -> None:
+        started.set()
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            seen.append("coroutine cancelled")
+            raise
+
+    with running_worker(broker, threads=1):
+        message = waits.send()
+        assert started.wait(30)
+        assert broker.cancel(message.message_id) is CancelOutcome.RUNNING
+        wait_for(lambda: seen, 30, "the coroutine to be cancelled")
+        broker.join("iy", timeout=30_000)
+    assert state(broker, message.message_id) == ("cancelled", 1)
+    assert broker.interrupter.interrupts == 1
