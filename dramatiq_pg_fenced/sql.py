@@ -220,8 +220,11 @@ _TEMPLATES = {
     # the wake channel: "!cancel <id>", so a worker holding it unstarted
     # hears of it at once and never starts it, and "!interrupt <id>
     # <delivery>", so a worker running it with interrupt_on_cancel stops that
-    # delivery, and no later one of the same id (interrupt.py).  The row keeps
-    # its token: the lease keeper and the cancel watch find it cancelled under it.
+    # delivery, and no later one of the same id (interrupt.py).  Sent whatever
+    # the canceller's own ``listen`` (the CLI and a dashboard behind PgBouncer
+    # have none; the workers may listen): nobody listening, it costs nothing.
+    # The row keeps its token: the lease keeper and the cancel watch find it
+    # cancelled under it.
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
@@ -232,9 +235,9 @@ _TEMPLATES = {
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt,
-                  CASE WHEN old.state = 'running' AND %(listen)s
+                  CASE WHEN old.state = 'running'
                        THEN pg_notify(%(channel)s, '!cancel ' || m.message_id::text) END,
-                  CASE WHEN old.state = 'running' AND %(listen)s
+                  CASE WHEN old.state = 'running'
                        THEN pg_notify(%(channel)s, '!interrupt ' || m.message_id::text || ' ' || m.delivery::text) END
     """,
     # Claimed rows leave dead entries at the head of the claim index that every

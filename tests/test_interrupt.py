@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from dramatiq.results import ResultMissing, Results
 from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import CancelOutcome, PostgresBroker
+from dramatiq_pg_fenced import CancelOutcome, PostgresBroker, admin
 from dramatiq_pg_fenced.interrupt import Interrupter, MessageCancelled, interruptible, shielded, with_throws
 from dramatiq_pg_fenced.results import PostgresBackend
 
@@ -36,11 +37,12 @@ def current() -> Any:
 
 # -- in-process workers on a real database ----------------------------------------------
 #: How the cancel reaches the worker: the "!interrupt" notification; without LISTEN, the
-#: cancel watch; a notification that never came (the canceller does not notify), the lease keeper.
-PATHS = {
-    "notify": ({}, {}),
-    "watch": ({"listen": False}, {"listen": False}),  # poll_interval=0.1 below
-    "keeper": ({"lease_seconds": 0.9}, {"listen": False}),
+#: cancel watch; a notification lost (sent where nobody listens), the lease keeper.
+#: (worker broker options, the channel the cancel notifies)
+PATHS: dict[str, tuple[dict[str, Any], str | None]] = {
+    "notify": ({}, None),
+    "watch": ({"listen": False}, None),  # poll_interval=0.1 below
+    "keeper": ({"lease_seconds": 0.9}, "nobody_listens"),
 }
 
 
@@ -55,13 +57,12 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
     cancelled, I expect MessageCancelled in its thread, no retry, no result, no successor, the
     row cancelled, its nack dropped as a cancelled write; and the same thread runs the next
     message normally."""
-    worker_options, canceller_options = PATHS[path]
+    worker_options, channel = PATHS[path]
     broker = dramatiq_pg_broker_factory(rescue_interval=0.2, poll_interval=0.1, **worker_options)
     backend = PostgresBackend(broker=broker)
     broker.add_middleware(CurrentMessage())
     broker.add_middleware(Results(backend=backend))
     dramatiq.set_broker(broker)
-    canceller = PostgresBroker(broker.url, schema=broker.schema, **canceller_options)
     started, stopped = threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
     after: list[int] = []
@@ -100,25 +101,23 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
         return "done"
 
     assert MessageCancelled in work.options["throws"]
-    try:
-        with running_worker(broker, threads=1):
-            pipe = dramatiq.pipeline([work.message(kind), successor.message()]).run()
-            mid = pipe.messages[0].message_id
-            assert started.wait(30)
-            before = broker.stats()["process"]
-            assert canceller.cancel(mid) is CancelOutcome.RUNNING
-            assert stopped.wait(30), "the actor was not interrupted"
-            wait_for(
-                lambda: broker.stats()["process"]["cancelled_writes"] > before["cancelled_writes"],
-                30,
-                "the cancelled delivery's outcome to be dropped",
-            )
-            later = next_one.send()
-            assert later.get_result(backend=backend, block=True, timeout=30_000) == "done"
-            broker.join("ia", timeout=30_000)
-            stats = broker.stats()["process"]
-    finally:
-        canceller.close()
+    with running_worker(broker, threads=1):
+        pipe = dramatiq.pipeline([work.message(kind), successor.message()]).run()
+        mid = pipe.messages[0].message_id
+        assert started.wait(30)
+        before = broker.stats()["process"]
+        how = admin.cancel(broker.database, broker.statements, mid, channel=channel or broker.channel)
+        assert how is CancelOutcome.RUNNING
+        assert stopped.wait(30), "the actor was not interrupted"
+        wait_for(
+            lambda: broker.stats()["process"]["cancelled_writes"] > before["cancelled_writes"],
+            30,
+            "the cancelled delivery's outcome to be dropped",
+        )
+        later = next_one.send()
+        assert later.get_result(backend=backend, block=True, timeout=30_000) == "done"
+        broker.join("ia", timeout=30_000)
+        stats = broker.stats()["process"]
     assert isinstance(seen["exception"], MessageCancelled)
     assert seen["attempts"] == [1]  # not retried
     assert state(broker, mid) == ("cancelled", 1)
@@ -212,10 +211,12 @@ def test_a_late_cancel_never_reaches_the_next_message_on_the_thread(dramatiq_pg_
 # -- real worker processes --------------------------------------------------------------
 @pytest.mark.slow
 def test_cancel_stops_actors_in_dramatiq_cli_workers(
-    dramatiq_pg_broker_factory: Factory, dramatiq_cli: Callable[..., subprocess.Popen]
+    dramatiq_pg_broker_factory: Factory, dramatiq_cli: Callable[..., subprocess.Popen], dramatiq_pg_url: str
 ) -> None:
     """Given the dramatiq CLI running a CPU-bound and a sleeping actor (interrupt_on_cancel); when
-    both are cancelled, I expect both stopped, their rows cancelled, and the worker still working."""
+    both are cancelled (one by broker.cancel(), one by the dramatiq-pg-fenced command, which has no
+    LISTEN of its own), I expect both stopped by the notification, their rows
+    cancelled, and the worker still working."""
     broker = dramatiq_pg_broker_factory()
     schema = sql.Identifier(broker.schema)
     with broker.database.connection() as conn:
@@ -234,8 +235,16 @@ def test_cancel_stops_actors_in_dramatiq_cli_workers(
     broker.enqueue_many(messages)
     ids = [m.message_id for m in messages]
     wait_for(lambda: {(i, "started") for i in ids} <= events(), 60, "both actors to start")
-    for i in ids:
-        assert broker.cancel(i) is CancelOutcome.RUNNING
+    assert broker.cancel(ids[0]) is CancelOutcome.RUNNING
+    command = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", dramatiq_pg_url, "--schema", broker.schema]
+        + ["cancel", ids[1]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert command.returncode == 0, command.stderr
+    # The app's lease keeper reads the rows every 40 s: a stop within 30 s came by notification.
     wait_for(lambda: {(i, "stopped") for i in ids} <= events(), 30, "both actors to be stopped")
     assert [state(broker, i) for i in ids] == [("cancelled", 1)] * 2
     again = dramatiq.Message(queue_name="default", actor_name="spin", args=(0.1,), kwargs={}, options={})

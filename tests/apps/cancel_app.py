@@ -22,6 +22,7 @@ INSERT = sql.SQL("INSERT INTO {}.ledger (message_id, event, at) VALUES (%s, %s, 
 broker = PostgresBroker(
     os.environ["DRAMATIQ_PG_URL"],
     schema=SCHEMA,
+    lease_seconds=120,  # the lease keeper (the fallback for a lost notification) reads every 40 s
     poll_interval=float(os.environ.get("DRAMATIQ_PG_POLL_INTERVAL", "0.2")),
     listen=os.environ.get("DRAMATIQ_PG_LISTEN", "1") == "1",
 )
