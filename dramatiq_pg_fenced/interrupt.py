@@ -200,7 +200,10 @@ class Interrupter:
                 entry.interrupted = True
                 raise_thread_exception(entry.thread_id, MessageCancelled)
         self.logger.info(
-            "Message %s was cancelled while its actor ran (attempt %d): interrupted.", message_id, entry.attempt
+            "Message %s was cancelled while its actor ran (attempt %d): %s.",
+            message_id,
+            entry.attempt,
+            "it stops as its database call returns" if entry.deferred else "interrupted",
         )
         return True
 
