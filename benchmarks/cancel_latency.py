@@ -14,6 +14,7 @@ clock).  Cases:
 - ``nap 10 ms`` / ``nap 100 ms``: ``time.sleep`` in steps of that length (the
   exception lands when the current sleep returns);
 - ``nap 1 s``: ``time.sleep(1)`` steps, to show a long C call is not cut short;
+- ``interrupt.sleep(60)``: the sleep that a cancel ends at once;
 - ``spin, listen=False``: a worker without LISTEN (PgBouncer mode), where the
   cancel watch reads the rows every ``poll_interval`` (1 s, the default).
 
@@ -149,6 +150,7 @@ def main() -> None:
         ("nap, time.sleep(0.01) steps", "nap", (0.01,), args.runs, 0.05, True),
         ("nap, time.sleep(0.1) steps", "nap", (0.1,), args.runs, 0.1, True),
         ("nap, time.sleep(1) steps", "nap", (1.0,), few, 1.0, True),
+        ("nap, interrupt.sleep(60)", "nap", (60.0, True), args.runs, 0.05, True),
         ("spin, listen=False (cancel watch, poll 1 s)", "spin", (), few, 1.0, False),
     ]
     print(f"load average at start: {os.getloadavg()[0]:.2f}; cores: {os.cpu_count()}")

@@ -6,7 +6,8 @@ While its body runs, the :class:`Interrupter` knows which thread runs which
 delivery (by its fence token).  When that delivery's row is cancelled, the
 thread gets :class:`MessageCancelled` at its next Python instruction, as
 Dramatiq's ``TimeLimit`` does it (``raise_thread_exception``): a thread in a C
-call (``time.sleep``, a socket read, a lock) gets it when the call returns.
+call (``time.sleep``, a socket read, a lock) gets it when the call returns;
+:func:`sleep` is a sleep that a cancel ends at once.
 
 How the process hears of it, first to last:
 
@@ -53,10 +54,11 @@ import functools
 import logging
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dramatiq.middleware.threading import Interrupt, current_platform, raise_thread_exception
@@ -91,6 +93,7 @@ class Running:
     interrupted: bool = False  #: an interrupt was sent, or raised at the end of a shield (once per delivery)
     shields: int = 0  #: nested shielded() blocks the thread is in
     deferred: bool = False  #: cancelled inside a shield: raised as the outermost one ends
+    wake: threading.Event = field(default_factory=threading.Event)  #: set on cancel: ends a sleep() at once
 
 
 _here = threading.local()  # per worker thread: the Running entry of the body it runs, if any
@@ -122,6 +125,20 @@ def shielded() -> Iterator[None]:
                 entry.interrupted = fire = True
         if fire and sys.exc_info()[1] is None:
             raise MessageCancelled(describe(entry.message_id, entry.attempt))
+
+
+def sleep(seconds: float) -> None:
+    """``time.sleep(seconds)`` that a cancel ends at once, in an interruptible actor.
+
+    ``time.sleep`` is a C call: an interrupt waits for it to return.  This
+    waits on an event the cancel sets, so ``MessageCancelled`` is raised
+    within milliseconds however long the sleep.  Elsewhere it is ``time.sleep``.
+    """
+    entry: Running | None = getattr(_here, "entry", None)
+    if entry is None:
+        time.sleep(seconds)
+    else:
+        entry.wake.wait(seconds)
 
 
 class Interrupter:
@@ -199,6 +216,7 @@ class Interrupter:
             else:
                 entry.interrupted = True
                 raise_thread_exception(entry.thread_id, MessageCancelled)
+            entry.wake.set()  # a sleep() returns: the exception lands, or the shield ends sooner
         self.logger.info(
             "Message %s was cancelled while its actor ran (attempt %d): %s.",
             message_id,

@@ -19,7 +19,7 @@ from dramatiq.results import ResultMissing, Results
 from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import CancelOutcome, PostgresBroker, admin
+from dramatiq_pg_fenced import CancelOutcome, PostgresBroker, admin, interrupt
 from dramatiq_pg_fenced.interrupt import Interrupter, MessageCancelled, interruptible, shielded, with_throws
 from dramatiq_pg_fenced.results import PostgresBackend
 
@@ -47,13 +47,13 @@ PATHS: dict[str, tuple[dict[str, Any], str | None]] = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("kind", ["cpu", "sleep", "db"])
+@pytest.mark.parametrize("kind", ["cpu", "sleep", "db", "long sleep"])
 def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
     dramatiq_pg_broker_factory: Factory, kind: str, path: str
 ) -> None:
     """Given an actor with interrupt_on_cancel, storing results, first step of a pipeline,
-    running a pure-Python loop (cpu), sleeping in 50 ms steps (sleep) or running 10 ms
-    statements on the broker's pool (db); when its message is
+    running a pure-Python loop (cpu), sleeping in 50 ms steps (sleep), running 10 ms
+    statements on the broker's pool (db) or in interrupt.sleep(600); when its message is
     cancelled, I expect MessageCancelled in its thread, no retry, no result, no successor, the
     row cancelled, its nack dropped as a cancelled write; and the same thread runs the next
     message normally."""
@@ -79,6 +79,8 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
             while kind == "db":  # the broker's database calls are shielded: stopped between them
                 with broker.database.connection() as conn:
                     conn.execute("SELECT pg_sleep(0.01)")
+            if kind == "long sleep":
+                interrupt.sleep(600)  # a cancel ends it at once
             while True:
                 time.sleep(0.05)
         except MessageCancelled as e:

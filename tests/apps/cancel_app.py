@@ -13,7 +13,7 @@ import dramatiq
 from dramatiq.middleware import CurrentMessage
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced import PostgresBroker, interrupt
 from dramatiq_pg_fenced.interrupt import MessageCancelled
 
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
@@ -52,12 +52,14 @@ def spin(seconds: float | None = None) -> None:
 
 
 @dramatiq.actor(max_retries=0, interrupt_on_cancel=True)
-def nap(step: float = 0.05) -> None:
-    """Sleeps in steps of *step* seconds until cancelled (a sleep is a C call: it ends before the interrupt lands)."""
+def nap(step: float = 0.05, cancellable: bool = False) -> None:
+    """Sleeps in steps of *step* seconds until cancelled: ``time.sleep`` (a C call: the interrupt
+    lands as it returns), or with *cancellable* ``interrupt.sleep`` (a cancel ends it at once)."""
+    pause = interrupt.sleep if cancellable else time.sleep
     try:
         note("started")
         while True:
-            time.sleep(step)
+            pause(step)
     except MessageCancelled:
         note("stopped")
         raise
