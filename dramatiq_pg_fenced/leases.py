@@ -291,7 +291,15 @@ class LeaseKeeper(Periodic):
         if self.on_cancelled is not None:
             for message_id, token in cancelled:  # a "!interrupt" notification lost, or LISTEN off
                 self.on_cancelled(message_id, token)
+        cancelled_ids = {message_id for message_id, _ in cancelled}
         for message_id in lost:
+            if message_id in cancelled_ids:
+                self.logger.info(
+                    "Message %s (attempt %d) was cancelled; this process's outcome for it will be dropped.",
+                    message_id,
+                    held[message_id].attempt,
+                )
+                continue
             self.logger.warning(
                 "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "
                 "this process's outcome for it will be fenced out.",
