@@ -334,7 +334,8 @@ def test_an_interrupt_that_lands_while_leaving_is_caught_and_reported() -> None:
     assert entered.wait(5)
     with interrupter._lock:  # the cancel's critical section, as cancelled() runs it
         leaving.set()
-        time.sleep(0.1)  # the thread now waits for the lock inside leave()
+        frames, ident = sys._current_frames, thread.ident or 0
+        wait_for(lambda: frames()[ident].f_code.co_name == "leave", 5, "leave() to wait")
         entry = interrupter._running["t1"]
         entry.interrupted = True
         raise_thread_exception(entry.thread_id, MessageCancelled)
