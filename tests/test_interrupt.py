@@ -3,6 +3,7 @@ in-process workers and with the ``dramatiq`` CLI; the interrupter's races withou
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import sys
@@ -208,6 +209,45 @@ def test_a_late_cancel_never_reaches_the_next_message_on_the_thread(dramatiq_pg_
         assert broker.interrupter.cancelled(first.message_id, tokens[first.message_id]) is False
         wait_for(lambda: acked(broker, second.message_id), 30, "the second message's ack")
     assert broker.interrupter.interrupts == 0
+
+
+def test_cancels_at_random_moments_around_short_actors_reach_only_running_bodies(
+    dramatiq_pg_broker: PostgresBroker,
+) -> None:
+    """Given short interruptible actors (0-30 ms of pure Python) on two threads; when each is
+    cancelled a random 0-30 ms after its send (before it starts, while it runs, as it returns,
+    after its ack), I expect only bodies cancelled while running interrupted, none acked before
+    its cancel, none cancelled while queued to run, and every message settled."""
+    broker = dramatiq_pg_broker
+    finished: list[int] = []
+    interrupted: list[int] = []
+    rng = random.Random(12)
+
+    @dramatiq.actor(queue_name="ie", interrupt_on_cancel=True, max_retries=0)
+    def edge(n: int, ms: float) -> None:
+        try:
+            deadline = time.monotonic() + ms / 1000
+            while time.monotonic() < deadline:
+                pass
+        except MessageCancelled:
+            interrupted.append(n)
+            raise
+        finished.append(n)
+
+    outcomes: dict[int, CancelOutcome] = {}
+    with running_worker(broker, threads=2):
+        for n in range(100):
+            message = edge.send(n, rng.uniform(0, 30))
+            time.sleep(rng.uniform(0, 0.03))
+            outcomes[n] = broker.cancel(message.message_id)
+        broker.join("ie", timeout=60_000)
+    by_outcome = {o: {n for n, got in outcomes.items() if got is o} for o in CancelOutcome}
+    assert set(interrupted) <= by_outcome[CancelOutcome.RUNNING]
+    assert not set(interrupted) & set(finished)
+    assert not by_outcome[CancelOutcome.NOT_FOUND] & set(interrupted)  # acked before the cancel
+    assert by_outcome[CancelOutcome.NOT_FOUND] <= set(finished)
+    assert not by_outcome[CancelOutcome.QUEUED] & (set(finished) | set(interrupted))
+    assert broker.interrupter.interrupts >= len(interrupted)
 
 
 # -- real worker processes --------------------------------------------------------------
