@@ -30,6 +30,7 @@ from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
     DEFAULT_DURABLE_OUTCOMES,
+    DEFAULT_INTERRUPT_ON_CANCEL,
     DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
@@ -86,6 +87,11 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
       run_schedules: ``False``: this process's workers do not run the
         scheduler of ``broker.schedules`` (``dramatiq-pg-fenced scheduler
         MODULE`` can run it alone).
+      interrupt_on_cancel: ``True`` makes every actor without its own
+        ``interrupt_on_cancel`` option stop when its running message is
+        cancelled (``MessageCancelled`` raised in its thread; see
+        :mod:`.interrupt`).  By default only actors declared with
+        ``interrupt_on_cancel=True`` are.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
         run_schedules: bool = True,
+        interrupt_on_cancel: bool = DEFAULT_INTERRUPT_ON_CANCEL,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -130,6 +137,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             max_deliveries=max_deliveries,
             keep_finished=int(keep_finished),
             durable_outcomes=bool(durable_outcomes),
+            interrupt_on_cancel=bool(interrupt_on_cancel),
         )
         self.database = Database(
             url,
@@ -178,6 +186,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
     durable_outcomes = property(lambda self: self.settings.durable_outcomes)
+    interrupt_on_cancel = property(lambda self: self.settings.interrupt_on_cancel)
     keep_finished = property(lambda self: self.settings.keep_finished)
 
     @property
@@ -270,6 +279,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         parts.maintenance.start()
         if self.run_schedules:
             self.start_scheduler()
+        if not self.listen:
+            parts.cancel_watch.start()  # no "!interrupt" notification comes: read the rows (only while one runs)
         return PostgresConsumer(
             queue_name,
             prefetch,
@@ -298,12 +309,13 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         return True
 
     def _doorbell(self, parts: ProcessParts) -> Any:
-        """This process's wake-up channel; it also hears of cancelled messages that must not start."""
+        """This process's wake-up channel; it also hears of cancelled messages that must not start, or must stop."""
         if not self.listen:
             return None
         doorbell = self.database.doorbell(self.channel, timed=True)
         doorbell.on("cancel", parts.leases.mark_cancelled)
         doorbell.on("back", parts.look_back.request)
+        doorbell.on("interrupt", parts.interrupter.command)
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:
@@ -473,6 +485,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
+        local["interrupts"] = parts.interrupter.interrupts if parts is not None else 0
         held = len(parts.leases.snapshot()) if parts is not None else 0
         local["scheduled_ticks"] = parts.scheduler.enqueued if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)

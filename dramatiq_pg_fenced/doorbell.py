@@ -11,8 +11,9 @@ notification lost while nobody listened costs one check, never a message or
 a result.  A lost connection is made again at once, then at the pace of
 reconnect.py while the server is away.  A payload that starts with ``!`` is
 a command, ``"!name arg"``, passed to the handler registered with
-:meth:`Doorbell.on` (the broker's ``!cancel <message id>``).  The broker's
-consumers, the results backend and the rate limiters all use this class.
+:meth:`Doorbell.on` (the broker's ``!cancel <message id>`` and
+``!interrupt <message id> <delivery>``).  The broker's consumers, the
+results backend and the rate limiters all use this class.
 """
 
 from __future__ import annotations

@@ -187,13 +187,15 @@ _TEMPLATES = {
          WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
-    # extend: see _extend below.  Of the deliveries an extension did not come back with: those
-    # still running under their token (locked by another session), not lost.
-    "held_elsewhere": f"""
+    # extend: see _extend below.  The rows still under these deliveries' tokens, running or
+    # cancelled, read without locking.  Of the deliveries an extension did not come back with:
+    # those running are locked by another session (not lost); those cancelled get their actor
+    # interrupted (interrupt_on_cancel).  The cancel watch reads the running interruptible ones.
+    "delivery_states": f"""
         WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
-        SELECT m.message_id FROM {{schema}}.message AS m
+        SELECT m.message_id, m.delivery, m.state FROM {{schema}}.message AS m
           JOIN o ON m.message_id = o.id AND m.delivery = o.delivery
-         WHERE {_BY_IDS} AND m.state = 'running'
+         WHERE {_BY_IDS} AND m.state IN ('running', 'cancelled')
     """,
     # What a stale writer is told: the row as it is now.
     "current": """
@@ -229,20 +231,29 @@ _TEMPLATES = {
          WHERE state IN ('dead', 'cancelled') AND finished_at < now() - %s * interval '1 second'
     """,
     # -- administration ----------------------------------------------------
-    # Cancelling a running (maybe prefetched) message also announces it
-    # ("!cancel <id>" on the wake channel), so a worker holding it unstarted
-    # hears of it at once and never starts it.
+    # Cancelling a running (maybe prefetched) message also announces it on
+    # the wake channel: "!cancel <id>", so a worker holding it unstarted
+    # hears of it at once and never starts it, and "!interrupt <id>
+    # <delivery>", so a worker running it with interrupt_on_cancel stops that
+    # delivery, and no later one of the same id (interrupt.py).  Sent whatever
+    # the canceller's own ``listen`` (the CLI and a dashboard behind PgBouncer
+    # have none; the workers may listen): nobody listening, it costs nothing.
+    # The row keeps its token: the lease keeper and the cancel watch find it
+    # cancelled under it.
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
-             WHERE message_id = %s FOR UPDATE
+             WHERE message_id = %(id)s FOR UPDATE
         )
         UPDATE {schema}.message AS m
            SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt,
-                  CASE WHEN old.state = 'running' AND %s THEN pg_notify(%s, '!cancel ' || m.message_id::text) END
+                  CASE WHEN old.state = 'running'
+                       THEN pg_notify(%(channel)s, '!cancel ' || m.message_id::text) END,
+                  CASE WHEN old.state = 'running'
+                       THEN pg_notify(%(channel)s, '!interrupt ' || m.message_id::text || ' ' || m.delivery::text) END
     """,
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
@@ -372,7 +383,7 @@ def _claim(*, relaxed: bool) -> str:
 def _extend(*, relaxed: bool) -> str:
     # SKIP LOCKED: a row some other session has locked (an operator's
     # SELECT ... FOR UPDATE, a cancel in progress) never holds up the others;
-    # held_elsewhere tells it apart from a lost row without locking.
+    # delivery_states tells it apart from a lost row without locking.
     return f"""
         WITH mine AS (
             SELECT m.message_id FROM {{schema}}.message AS m
@@ -981,7 +992,7 @@ class Statements:
     retry: bytes
     requeue: bytes
     extend: bytes
-    held_elsewhere: bytes
+    delivery_states: bytes
     extend_relaxed: bytes
     begin_relaxed: bytes
     current: bytes
