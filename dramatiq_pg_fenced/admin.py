@@ -20,6 +20,7 @@ from dramatiq.errors import BrokerError
 from dramatiq.message import Message
 
 from .database import Database
+from .doorbell import look_back
 from .errors import describe_failure, lost_connection
 from .fencing import State
 from .sql import FINISHED_STATES, Statements, check_queue
@@ -46,14 +47,16 @@ class CancelOutcome(str, Enum):
     NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
 
 
-def cancel(database: Database, statements: Statements, message_id: str, *, channel: str, listen: bool) -> CancelOutcome:
+def cancel(database: Database, statements: Statements, message_id: str, *, channel: str) -> CancelOutcome:
     """Cancel a message whatever its attempt (administrative: not fenced).
 
-    A running one is announced on *channel* (``!cancel <id>``), so a worker
-    that holds it in its prefetch never starts it.
+    A running one is announced on *channel* (``!cancel <id>``, and
+    ``!interrupt <id> <delivery>``), so a worker that holds it in its prefetch
+    never starts it, and one that runs it with ``interrupt_on_cancel`` stops it;
+    also from a canceller without LISTEN (the CLI), for workers that listen.
     """
     message_id = check_message_id(message_id)
-    params = [message_id, listen, channel]
+    params = {"id": message_id, "channel": channel}
     row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
     if row is not None:
         return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING
@@ -243,7 +246,7 @@ def resume(database: Database, statements: Statements, queue_name: str, channel:
     def work(conn: psycopg.Connection) -> bool:
         row = conn.execute(statements.resume, [queue_name]).fetchone()
         if row is not None and channel is not None:
-            conn.execute(statements.notify, [channel, [queue_name]])
+            conn.execute(statements.notify, [channel, look_back([queue_name])])
         return row is not None
 
     return database.run(work, transaction=True)
@@ -467,7 +470,7 @@ class OperatorMethods:
         attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
         an attempt: cancellation is an administrative action on the message.
         """
-        return cancel(self.database, self.statements, message_id, channel=self.channel, listen=self.listen)
+        return cancel(self.database, self.statements, message_id, channel=self.channel)
 
     def is_cancelled(self, message_id: str) -> bool:
         """For actors: was my message cancelled while I run?"""

@@ -31,6 +31,7 @@ from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
     DEFAULT_DURABLE_OUTCOMES,
+    DEFAULT_INTERRUPT_ON_CANCEL,
     DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
@@ -44,6 +45,7 @@ from .config import (
 from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
+from .doorbell import look_back
 from .enqueue import Enqueuer
 from .errors import DeadLetterError
 from .fencing import Write
@@ -87,6 +89,11 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
       run_schedules: ``False``: this process's workers do not run the
         scheduler of ``broker.schedules`` (``dramatiq-pg-fenced scheduler
         MODULE`` can run it alone).
+      interrupt_on_cancel: ``True`` makes every actor without its own
+        ``interrupt_on_cancel`` option stop when its running message is
+        cancelled (``MessageCancelled`` raised in its thread; see
+        :mod:`.interrupt`).  By default only actors declared with
+        ``interrupt_on_cancel=True`` are.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
         run_schedules: bool = True,
+        interrupt_on_cancel: bool = DEFAULT_INTERRUPT_ON_CANCEL,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -131,6 +139,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             max_deliveries=max_deliveries,
             keep_finished=int(keep_finished),
             durable_outcomes=bool(durable_outcomes),
+            interrupt_on_cancel=bool(interrupt_on_cancel),
         )
         self.database = Database(
             url,
@@ -180,6 +189,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
     dead_message_ttl = property(lambda self: self.settings.dead_message_ttl)
     max_deliveries = property(lambda self: self.settings.max_deliveries)
     durable_outcomes = property(lambda self: self.settings.durable_outcomes)
+    interrupt_on_cancel = property(lambda self: self.settings.interrupt_on_cancel)
     keep_finished = property(lambda self: self.settings.keep_finished)
 
     @property
@@ -268,6 +278,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         parts.maintenance.start()
         if self.run_schedules:
             self.start_scheduler()
+        if not self.listen:
+            parts.cancel_watch.start()  # no "!interrupt" notification comes: read the rows (only while one runs)
         return PostgresConsumer(
             queue_name,
             prefetch,
@@ -281,6 +293,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             writer=parts.writer,
             doorbell=self._doorbell(parts),
             logger=self.logger,
+            priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
+            look_back=parts.look_back,
         )
 
     def start_scheduler(self) -> bool:
@@ -294,11 +308,13 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         return True
 
     def _doorbell(self, parts: ProcessParts) -> Any:
-        """This process's wake-up channel; it also hears of cancelled messages that must not start."""
+        """This process's wake-up channel; it also hears of cancelled messages that must not start, or must stop."""
         if not self.listen:
             return None
         doorbell = self.database.doorbell(self.channel, timed=True)
         doorbell.on("cancel", parts.leases.mark_cancelled)
+        doorbell.on("back", parts.look_back.request)
+        doorbell.on("interrupt", parts.interrupter.command)
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:
@@ -431,6 +447,12 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         rows = [self.enqueuer.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
+            if self.listen:
+                # The rows carry the caller's transaction's start as their place in line, and appear
+                # only at its commit: consumers must look back at the head for them (consumer.Floor).
+                # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
+                queues = sorted({r[1] for r in rows})
+                caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
             return self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
         # One statement, so autocommit makes it one round trip and one commit.
@@ -480,6 +502,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
+        local["interrupts"] = parts.interrupter.interrupts if parts is not None else 0
         held = len(parts.leases.snapshot()) if parts is not None else 0
         local["scheduled_ticks"] = parts.scheduler.enqueued if parts is not None else 0
         totals, queues = admin.queue_counts(self.database, self.statements)

@@ -36,6 +36,10 @@ DEFAULT_PURGE_INTERVAL = 60.0
 #: message run again (at-least-once allows it); only the enqueue must be
 #: durable, and it always is (unless ``synchronous_commit=False``).
 DEFAULT_DURABLE_OUTCOMES = False
+#: Does cancelling a running message interrupt its actor (``MessageCancelled``
+#: raised in its thread)?  Not by default: an actor opts in with
+#: ``@dramatiq.actor(interrupt_on_cancel=True)``, or every actor with the broker's option.
+DEFAULT_INTERRUPT_ON_CANCEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Settings:
     keep_finished: int = DEFAULT_KEEP_FINISHED
     #: ``False``: claims, outcomes, extensions and releases commit without waiting for the WAL flush.
     durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES
+    #: Actors without their own ``interrupt_on_cancel`` option: are they interrupted by a cancel?
+    interrupt_on_cancel: bool = DEFAULT_INTERRUPT_ON_CANCEL
 
     @property
     def channel(self) -> str:

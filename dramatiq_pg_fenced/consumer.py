@@ -5,6 +5,14 @@ to the room left under the prefetch (:meth:`.Leases.capacity`) in rows,
 bumps their attempt number and leases them to this consumer.  The attempt
 goes on the delivered :class:`~.delivery.PostgresMessageProxy` (and a copy in
 ``options["attempt"]``); every later write for the delivery is fenced on it.
+
+Where the claim's index scan starts is :class:`Floor`'s business: each claim
+leaves a dead entry at the head of the claim index, and while any session of
+the database holds an old snapshot (a report, ``pg_dump``, a forgotten
+``BEGIN``) no vacuum may remove them, so a claim from the head would step over
+every one of them.  A consumer starts its claims a little before the point
+where the queue was last seen drained, and goes back to the head now and then
+and whenever rows may have gone back behind that point.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
@@ -26,7 +36,7 @@ from . import delivery
 from .config import Settings
 from .database import Database
 from .delivery import Outcome, PostgresMessageProxy
-from .doorbell import Doorbell
+from .doorbell import Doorbell, look_back
 from .errors import SchemaError, lost_connection
 from .fencing import State, Write
 from .leases import Leases
@@ -65,6 +75,98 @@ class LostClaims:
             return bool(self._by_queue.get(queue_name))
 
 
+#: Where a claim from the head of the index starts: before every row.
+HEAD = (-(2**31), "-infinity", -(2**63))
+#: Seconds between two claims from the head, at most (see :class:`Floor`).
+LOOK_BACK_EVERY = 1.0
+#: How far before the database's clock at a drained claim the floor is put:
+#: an enqueue stamps ``available_at`` when its statement starts and becomes
+#: visible when it commits; one that commits later than this lands behind the
+#: floor and waits for the next claim from the head (``LOOK_BACK_EVERY``).
+FLOOR_MARGIN = timedelta(milliseconds=250)
+
+
+class LookBack:
+    """Per process: how often each queue was told that rows went back behind the floor.
+
+    Requeues at shutdown, rescues of expired leases, releases after a lost
+    claim and a queue's resume put rows back at their old place in line; they
+    send ``"!back <queue>"`` before ringing the queue (see
+    :func:`~.doorbell.look_back`), and the next claim of every consumer of the
+    queue in this process starts from the head.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def request(self, queue_name: str) -> None:
+        with self._lock:
+            self._counts[queue_name] = self._counts.get(queue_name, 0) + 1
+
+    def count(self, queue_name: str) -> int:
+        return self._counts.get(queue_name, 0)
+
+
+class Floor:
+    """Where one consumer's claims start: ``(priority, available_at, seq)`` in the claim index's order.
+
+    A claim that comes back with rows proves that, at the database's
+    ``now()`` of that claim, nothing was claimable between where it started
+    and its first row (rows locked by other consumers' claims aside), nor
+    anywhere after it if it came back short of its limit.  So the next claim
+    may start at the lowest priority of the queue's actors and, within it, at
+    the first row of a full claim, or ``FLOOR_MARGIN`` before the ``now()`` of
+    a short one; it does not visit the dead entries before that point (the
+    claimed rows' old versions, which no vacuum may remove while some
+    session's snapshot is older).  A row that lands behind the floor anyway
+    (an enqueue that committed late, a message of a priority no actor here
+    has, a row put back at its old place) is found by the next claim from the
+    head: one every ``LOOK_BACK_EVERY`` seconds, and at once after a
+    ``"!back"`` notification or a lost claim.
+    """
+
+    def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
+        self.priority = priority
+        self.look_back = look_back
+        self.queue_name = queue_name
+        self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
+        self._head_due = 0.0  # monotonic
+        self._back_seen = look_back.count(queue_name) if look_back is not None else 0
+
+    def start(self) -> tuple[int, Any, int]:
+        """Where the next claim starts; ``HEAD`` when it must look back."""
+        back = self.look_back.count(self.queue_name) if self.look_back is not None else 0
+        if back != self._back_seen:
+            self._back_seen = back
+            self.at = None
+        if self.at is None or time.monotonic() >= self._head_due:
+            return HEAD
+        return (self.priority, *self.at)
+
+    def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
+        """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
+        if start is HEAD:
+            self._head_due = time.monotonic() + LOOK_BACK_EVERY
+        elif self.at is None:
+            return  # forgotten meanwhile: only a claim from the head sets it again
+        if not rows:
+            return  # idle or paused: no proof of where the queue stands; the floor stays
+        drained = (rows[0][7] - FLOOR_MARGIN, HEAD[2])
+        if len(rows) < limit:
+            at = drained  # nothing claimable was left at all
+        else:
+            priority, available_at, seq = min((r[4], r[5], r[6]) for r in rows)
+            if priority < self.priority:
+                self.at = None  # a priority no actor here has is in line: claim from the head
+                return
+            at = (available_at, seq) if priority == self.priority else drained
+        self.at = at if start is HEAD or self.at is None else max(self.at, at)
+
+    def forget(self) -> None:
+        self.at = None
+
+
 class PostgresConsumer(Consumer):
     def __init__(
         self,
@@ -81,6 +183,8 @@ class PostgresConsumer(Consumer):
         writer: OutcomeWriter,
         doorbell: Doorbell | None,
         logger: logging.Logger,
+        priority: int = 0,
+        look_back: LookBack | None = None,
     ) -> None:
         self.queue_name = queue_name
         self.prefetch = max(prefetch, 1)
@@ -107,6 +211,7 @@ class PostgresConsumer(Consumer):
         # right after taking one; claiming again then would find nothing, and would compete for the
         # CPU with the worker thread starting that message.  The poll (every poll_interval) stays.
         self._quiet_until = 0.0
+        self.floor = Floor(priority, look_back, queue_name)
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout
@@ -166,6 +271,7 @@ class PostgresConsumer(Consumer):
                     if unsure:
                         self._release_unseen(conn, unsure)
                         unsure = []
+                        self.floor.forget()
                     rows = self._claim_rows(conn, limit)
                     if len(rows) < limit and self.wake is not None:
                         self._quiet_until = time.monotonic() + self.settings.poll_interval
@@ -181,13 +287,14 @@ class PostgresConsumer(Consumer):
                 self.lost_claims.put_back(
                     self.queue_name, unsure if isinstance(e, PoolTimeout) else [*unsure, self.consumer_id]
                 )
+                self.floor.forget()
                 if not lost_connection(e):
                     raise ConnectionClosed(self.database.describe(e)) from None
                 self.logger.debug("Claim of queue %r failed (try %d): %s", self.queue_name, tries, e)
                 if tries == 2 or isinstance(e, PoolTimeout):
                     return
         rows.sort(key=lambda r: (r[4], r[5], r[6]))  # priority, due time, enqueue order
-        for message_id, attempt, token, payload, _, _, _ in rows:
+        for message_id, attempt, token, payload, *_ in rows:
             message_id, delivery = str(message_id), str(token)
             self.leases.hold(self.queue_name, message_id, attempt, delivery)
             try:
@@ -227,14 +334,20 @@ class PostgresConsumer(Consumer):
         return unknown
 
     def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
+        start = self.floor.start()
         params = {
             "queue": self.queue_name,
             "limit": limit,
             "lease": self.settings.lease_seconds,
             "consumer": self.consumer_id,
+            "from_priority": start[0],
+            "from_at": start[1],
+            "from_seq": start[2],
         }
         claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
-        return conn.execute(claim, params).fetchall()
+        rows = conn.execute(claim, params).fetchall()
+        self.floor.claimed(start, rows, limit)
+        return rows
 
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""
@@ -254,7 +367,7 @@ class PostgresConsumer(Consumer):
                 self.queue_name,
             )
             if self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, [self.queue_name]])
+                conn.execute(self.statements.notify, [self.settings.channel, look_back([self.queue_name])])
         for message_id in dead:
             self.logger.error(
                 "Message %s of queue %r, leased by a claim whose response was lost, had %d deliveries without "

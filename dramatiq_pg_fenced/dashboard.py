@@ -169,9 +169,7 @@ class Dashboard:
         action = form.get("action", "")
         ring, db, st = self.ring, self.database, self.statements
         if action == "cancel":
-            outcome = admin.cancel(
-                db, st, form.get("message_id", ""), channel=self.settings.channel, listen=self.settings.listen
-            )
+            outcome = admin.cancel(db, st, form.get("message_id", ""), channel=self.settings.channel)
             note = f"cancel: {outcome.value}"
         elif action == "redrive":
             done = admin.redrive(db, st, [form.get("message_id", "")], ring)

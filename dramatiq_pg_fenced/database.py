@@ -27,6 +27,7 @@ from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
 from .errors import SchemaError, describe_failure, lost_connection
+from .interrupt import shielded
 from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, server_for
 
 T = TypeVar("T")
@@ -215,7 +216,10 @@ class Database:
         """
         local = self._here()
         try:
-            with self._pooled(local, fail_fast=not raw if fail_fast is None else fail_fast, timeout=timeout) as conn:
+            with (
+                shielded(),  # an interruptible actor stops after the pool's bookkeeping, never inside it
+                self._pooled(local, fail_fast=not raw if fail_fast is None else fail_fast, timeout=timeout) as conn,
+            ):
                 if not local.schema_checked:
                     try:
                         migrations.check(conn, self.schema, url_hint=self.safe_url())

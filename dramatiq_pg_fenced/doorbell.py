@@ -11,8 +11,9 @@ notification lost while nobody listened costs one check, never a message or
 a result.  A lost connection is made again at once, then at the pace of
 reconnect.py while the server is away.  A payload that starts with ``!`` is
 a command, ``"!name arg"``, passed to the handler registered with
-:meth:`Doorbell.on` (the broker's ``!cancel <message id>``).  The broker's
-consumers, the results backend and the rate limiters all use this class.
+:meth:`Doorbell.on` (the broker's ``!cancel <message id>`` and
+``!interrupt <message id> <delivery>``).  The broker's consumers, the
+results backend and the rate limiters all use this class.
 """
 
 from __future__ import annotations
@@ -184,3 +185,13 @@ def poll_pauses(poll_interval: float, *, listening: bool) -> Iterator[float]:
     while True:
         yield pause
         pause = min(pause * 2, poll_interval)
+
+
+def look_back(queues: list[str], *, ring: bool = True) -> list[str]:
+    """Payloads that tell consumers rows went back to *queues* at their old place in line, then ring them.
+
+    ``"!back <queue>"`` comes first, so a consumer woken by the ring already
+    knows to claim from the head (see :class:`~.consumer.Floor`).  *ring*
+    false: the ``"!back"`` payloads only (a statement to follow rings).
+    """
+    return [f"!back {q}" for q in queues] + (list(queues) if ring else [])

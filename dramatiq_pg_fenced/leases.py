@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import psycopg
@@ -24,6 +25,7 @@ from dramatiq.errors import ConnectionClosed
 from .config import Settings
 from .database import Database
 from .delivery import PostgresMessageProxy
+from .fencing import State
 from .periodic import Periodic
 from .sql import Statements
 
@@ -229,13 +231,22 @@ class LeaseKeeper(Periodic):
     what = "Lease keeper"
 
     def __init__(
-        self, leases: Leases, database: Database, statements: Statements, settings: Settings, logger: logging.Logger
+        self,
+        leases: Leases,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        logger: logging.Logger,
+        *,
+        on_cancelled: Callable[[str, str], object] | None = None,
     ) -> None:
         super().__init__(max(settings.lease_seconds / 3, 0.2), logger)
         self.leases = leases
         self.database = database
         self.statements = statements
         self.settings = settings
+        #: Called with (message id, delivery token) for a delivery found cancelled (the interrupter).
+        self.on_cancelled = on_cancelled
         self._conn: psycopg.Connection | None = None
 
     def tick(self) -> None:
@@ -265,17 +276,30 @@ class LeaseKeeper(Periodic):
             extend = self.statements.extend if self.settings.durable_outcomes else self.statements.extend_relaxed
             params = {"ids": list(tokens), "deliveries": list(tokens.values()), "lease": self.settings.lease_seconds}
             kept = {str(r[0]) for r in conn.execute(extend, params).fetchall()}
+            cancelled: list[tuple[str, str]] = []
             if len(kept) < len(tokens):
                 rest = {mid: token for mid, token in tokens.items() if mid not in kept}
-                rows = conn.execute(self.statements.held_elsewhere, [list(rest), list(rest.values())]).fetchall()
-                kept |= {str(r[0]) for r in rows}  # locked by another session: extended next time
+                rows = conn.execute(self.statements.delivery_states, [list(rest), list(rest.values())]).fetchall()
+                kept |= {str(r[0]) for r in rows if r[2] == State.RUNNING.value}  # locked elsewhere: extended next time
+                cancelled = [(str(r[0]), str(r[1])) for r in rows if r[2] == State.CANCELLED.value]
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._conn = None
             with contextlib.suppress(Exception):
                 conn.close()
             raise
         lost = self.leases.mark_lost(tokens, kept)
+        if self.on_cancelled is not None:
+            for message_id, token in cancelled:  # a "!interrupt" notification lost, or LISTEN off
+                self.on_cancelled(message_id, token)
+        cancelled_ids = {message_id for message_id, _ in cancelled}
         for message_id in lost:
+            if message_id in cancelled_ids:
+                self.logger.info(
+                    "Message %s (attempt %d) was cancelled; this process's outcome for it will be dropped.",
+                    message_id,
+                    held[message_id].attempt,
+                )
+                continue
             self.logger.warning(
                 "Lease of message %s (attempt %d) was lost: it was redelivered, cancelled or finished elsewhere; "
                 "this process's outcome for it will be fenced out.",

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from .config import Settings
 from .database import Database
+from .doorbell import look_back
 from .fencing import State
 from .leases import Leases
 from .periodic import Periodic
@@ -100,7 +101,7 @@ class Maintenance(Periodic):
             rows = conn.execute(self.statements.rescue, {"max": self.settings.max_deliveries}).fetchall()
             queued = sorted({r[1] for r in rows if r[3] == State.QUEUED.value})
             if queued and self.settings.listen:
-                conn.execute(self.statements.notify, [self.settings.channel, queued])
+                conn.execute(self.statements.notify, [self.settings.channel, look_back(queued)])
         for message_id, queue_name, attempt, state in rows:
             if state == State.QUEUED.value:
                 self.logger.warning(

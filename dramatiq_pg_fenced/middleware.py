@@ -16,6 +16,12 @@ middleware's and its ``after_process_message`` before every other's.
   only if that applies.  A delivery that was fenced out causes nothing; what
   it would have caused is counted as ``dropped_effects``.
 
+- **An actor declared with** ``interrupt_on_cancel=True`` (or every actor,
+  with the broker's ``interrupt_on_cancel=True``) is stopped when its running
+  message is cancelled: :class:`~.interrupt.MessageCancelled` is raised in
+  its thread (see :mod:`.interrupt`; added to the actor's ``throws``, so it is
+  not retried), and the delivery ends as cancelled, causing nothing.
+
 - **When the worker begins to shut down** (SIGTERM), the deliveries it
   holds in its prefetch but has not started go back to their queue at once
   (fenced, the attempt kept), for other workers, instead of after the
@@ -33,13 +39,29 @@ from dramatiq.middleware import GroupCallbacks, Middleware, SkipMessage
 
 from . import delivery
 from .delivery import PostgresMessageProxy
+from .interrupt import interruptible, with_throws
 
 
 class FencedDelivery(Middleware):
     """Skips deliveries that were cancelled or lost before they started; ties
-    a delivery's effects to its outcome.  Installed by :class:`PostgresBroker`."""
+    a delivery's effects to its outcome; stops actors that opted in when their
+    message is cancelled.  Installed by :class:`PostgresBroker`."""
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {"interrupt_on_cancel"}
+
+    def after_declare_actor(self, broker: Any, actor: Any) -> None:
+        settings = getattr(broker, "settings", None)
+        default = getattr(settings, "interrupt_on_cancel", False)
+        if not actor.options.get("interrupt_on_cancel", default) or getattr(actor.fn, "interrupts_on_cancel", False):
+            return
+        actor.fn = interruptible(actor.fn, lambda: broker.interrupter)
+        actor.options["throws"] = with_throws(actor.options.get("throws"))
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        for actor in list(broker.actors.values()):
+            self.after_declare_actor(broker, actor)  # declared before this middleware was added
         for m in broker.middleware:
             if isinstance(m, GroupCallbacks) and not getattr(m, "counts_with_the_ack", False):
                 broker.logger.warning(

@@ -37,6 +37,7 @@ from dramatiq.message import Message
 from .config import Settings
 from .database import Database
 from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
+from .doorbell import look_back
 from .errors import PayloadTooLarge, SchemaError, key_taken_meanwhile, lost_connection, refusal, worth_retrying
 from .fencing import Miss, StaleWrites, State, Write
 from .leases import Held, Leases
@@ -564,7 +565,8 @@ class OutcomeWriter:
                 self.stale.report(conn, misses, queues={mid: h.queue_name for mid, h in held})
                 if released and self.settings.listen:
                     conn.execute(
-                        self.statements.notify, [self.settings.channel, sorted({h.queue_name for _, h in held})]
+                        self.statements.notify,
+                        [self.settings.channel, look_back(sorted({h.queue_name for _, h in held}))],
                     )
             return released
 

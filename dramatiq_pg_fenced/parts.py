@@ -18,10 +18,11 @@ from dramatiq.message import Message
 
 from . import delivery
 from .config import Settings
-from .consumer import LostClaims
+from .consumer import LookBack, LostClaims
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .fencing import StaleWrites, Write
+from .interrupt import CancelWatch, Interrupter
 from .leases import LeaseKeeper, Leases, StartGate
 from .maintenance import Maintenance
 from .outcomes import OutcomeWriter
@@ -30,8 +31,8 @@ from .sql import Statements
 
 
 class ProcessParts:
-    """The lease registry and keeper, the start gate, the maintenance loop, the outcome writer and the
-    scheduler of one process."""
+    """The lease registry and keeper, the start gate, the interrupter and its cancel watch, the maintenance
+    loop, the outcome writer and the scheduler of one process."""
 
     def __init__(
         self,
@@ -49,7 +50,12 @@ class ProcessParts:
         self.stale = StaleWrites(statements, logger)
         self.leases = Leases()
         self.lost_claims = LostClaims()
-        self.keeper = LeaseKeeper(self.leases, database, statements, settings, logger)
+        self.look_back = LookBack()
+        self.interrupter = Interrupter(logger)
+        self.keeper = LeaseKeeper(
+            self.leases, database, statements, settings, logger, on_cancelled=self.interrupter.cancelled
+        )
+        self.cancel_watch = CancelWatch(self.interrupter, database, statements, settings, logger)
         self.gate = StartGate(self.leases, database, statements)
         self.maintenance = Maintenance(self.leases, database, statements, settings, logger)
         self.writer = OutcomeWriter(
@@ -62,6 +68,7 @@ class ProcessParts:
         self.scheduler.stop()
         self.writer.stop()
         self.keeper.stop()
+        self.cancel_watch.stop()
         self.maintenance.stop()
 
 
@@ -96,6 +103,11 @@ class DeliveryMethods:
         )
         outcome.result = write
         self.parts.writer.submit(outcome)
+
+    @property
+    def interrupter(self) -> Interrupter:
+        """Which interruptible actor runs on which thread, in this process (see :mod:`.interrupt`)."""
+        return self.parts.interrupter
 
     def why_not_start(self, message: PostgresMessageProxy) -> str | None:
         """Why a delivery held in the prefetch must not start (``None``: it may); see :class:`.leases.StartGate`."""

@@ -159,6 +159,16 @@ _LOST = f"""
     {_retake("m", finished_too=False)}
 """
 
+#: Every statement that joins message rows to a list of ids also says
+#: ``message_id = ANY(those ids)``: an index condition on the primary key
+#: whatever the join order.  A hot queue's table is near empty whenever
+#: (auto)analyze looks, and with such statistics the planner otherwise
+#: liked a full scan of an index as the outer side of the join (all of the
+#: primary key, or of the lease index), which is cheap until another
+#: session's old snapshot keeps every dead entry in it (50-85 ms per ack
+#: and per claim after two minutes at 300 messages/s).  _BY_IDS: for a CTE o.
+_BY_IDS = "m.message_id = ANY(ARRAY(SELECT o.id FROM o))"
+
 #: A commit that does not wait for the WAL flush, for one autocommit
 #: statement: set_config(..., true) is SET LOCAL and lasts until the commit of
 #: the statement's own implicit transaction, so it costs no extra round trip
@@ -203,37 +213,42 @@ _TEMPLATES = {
     "release_unseen": f"""
         UPDATE {{schema}}.message AS m
            SET {_LOST}
-         WHERE state = 'running' AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
+         WHERE state = 'running' AND lease_expires_at IS NOT NULL
+           AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
            AND message_id <> ALL(%(held)s::uuid[])
         RETURNING message_id, state
     """,
     # -- fenced outcomes (batched: unnest of ids and delivery tokens) ------
     "retry": f"""
+        WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[], %s::bytea[], %s::bigint[], %s::text[])
+                                 AS o(id, delivery, payload, delay_ms, error))
         UPDATE {{schema}}.message AS m
            SET state = 'queued', payload = o.payload, last_error = o.error,
                available_at = now() + o.delay_ms * interval '1 millisecond',
                lease_expires_at = NULL, consumer_id = NULL,
                {_retake("m", finished_too=False)}
-          FROM unnest(%s::uuid[], %s::uuid[], %s::bytea[], %s::bigint[], %s::text[])
-               AS o(id, delivery, payload, delay_ms, error)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+          FROM o
+         WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
     "requeue": f"""
+        WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
         UPDATE {{schema}}.message AS m
            SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL,
                {_retake("m", finished_too=False)}
-          FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+          FROM o
+         WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
     """,
-    # extend: see _extend below.  Of the deliveries an extension did not come back with: those
-    # still running under their token (locked by another session), not lost.
-    "held_elsewhere": """
-        SELECT m.message_id FROM {schema}.message AS m
-          JOIN unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)
-            ON m.message_id = o.id AND m.delivery = o.delivery
-         WHERE m.state = 'running'
+    # extend: see _extend below.  The rows still under these deliveries' tokens, running or
+    # cancelled, read without locking.  Of the deliveries an extension did not come back with:
+    # those running are locked by another session (not lost); those cancelled get their actor
+    # interrupted (interrupt_on_cancel).  The cancel watch reads the running interruptible ones.
+    "delivery_states": f"""
+        WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
+        SELECT m.message_id, m.delivery, m.state FROM {{schema}}.message AS m
+          JOIN o ON m.message_id = o.id AND m.delivery = o.delivery
+         WHERE {_BY_IDS} AND m.state IN ('running', 'cancelled')
     """,
     # What a stale writer is told: the row as it is now.
     "current": """
@@ -269,20 +284,29 @@ _TEMPLATES = {
          WHERE state IN ('dead', 'cancelled') AND finished_at < now() - %s * interval '1 second'
     """,
     # -- administration ----------------------------------------------------
-    # Cancelling a running (maybe prefetched) message also announces it
-    # ("!cancel <id>" on the wake channel), so a worker holding it unstarted
-    # hears of it at once and never starts it.
+    # Cancelling a running (maybe prefetched) message also announces it on
+    # the wake channel: "!cancel <id>", so a worker holding it unstarted
+    # hears of it at once and never starts it, and "!interrupt <id>
+    # <delivery>", so a worker running it with interrupt_on_cancel stops that
+    # delivery, and no later one of the same id (interrupt.py).  Sent whatever
+    # the canceller's own ``listen`` (the CLI and a dashboard behind PgBouncer
+    # have none; the workers may listen): nobody listening, it costs nothing.
+    # The row keeps its token: the lease keeper and the cancel watch find it
+    # cancelled under it.
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
-             WHERE message_id = %s FOR UPDATE
+             WHERE message_id = %(id)s FOR UPDATE
         )
         UPDATE {schema}.message AS m
            SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt,
-                  CASE WHEN old.state = 'running' AND %s THEN pg_notify(%s, '!cancel ' || m.message_id::text) END
+                  CASE WHEN old.state = 'running'
+                       THEN pg_notify(%(channel)s, '!cancel ' || m.message_id::text) END,
+                  CASE WHEN old.state = 'running'
+                       THEN pg_notify(%(channel)s, '!interrupt ' || m.message_id::text || ' ' || m.delivery::text) END
     """,
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
@@ -428,10 +452,17 @@ def _enqueue_unique(*, relaxed: bool) -> str:
 def _claim(*, relaxed: bool) -> str:
     # A paused queue (a row in paused_queue) is skipped: the NOT EXISTS does
     # not depend on the row, so it runs once per claim (one primary-key probe).
+    # (priority, available_at, seq) >= (%(from_priority)s, %(from_at)s, %(from_seq)s) is where the
+    # index scan starts: a consumer that knows nothing is claimable before that
+    # point skips the entries its earlier claims left dead at the head of the
+    # index, which no vacuum may remove while another session's snapshot is
+    # older (see consumer.Floor).  consumer.HEAD starts at the head.  now() comes back with the rows: the database's clock sets the floor.
     return f"""
         WITH due AS (
             SELECT message_id FROM {{schema}}.message
              WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
+               AND (priority, available_at, seq)
+                   >= (%(from_priority)s::int, %(from_at)s::timestamptz, %(from_seq)s::bigint)
                AND NOT EXISTS (SELECT FROM {{schema}}.paused_queue AS p WHERE p.queue_name = %(queue)s)
              ORDER BY priority, available_at, seq
              LIMIT %(limit)s
@@ -442,27 +473,27 @@ def _claim(*, relaxed: bool) -> str:
                lease_expires_at = now() + %(lease)s * interval '1 second',
                consumer_id = %(consumer)s, claimed_at = now()
           FROM due{_RELAXED if relaxed else ""}
-         WHERE m.message_id = due.message_id
-        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq
+         WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM due)) AND m.message_id = due.message_id
+        RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq, now()
     """
 
 
 def _extend(*, relaxed: bool) -> str:
     # SKIP LOCKED: a row some other session has locked (an operator's
     # SELECT ... FOR UPDATE, a cancel in progress) never holds up the others;
-    # held_elsewhere tells it apart from a lost row without locking.
+    # delivery_states tells it apart from a lost row without locking.
     return f"""
         WITH mine AS (
             SELECT m.message_id FROM {{schema}}.message AS m
               JOIN unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
                 ON m.message_id = o.id AND m.delivery = o.delivery
-             WHERE m.state = 'running'
+             WHERE m.message_id = ANY(%(ids)s::uuid[]) AND m.state = 'running'
                FOR UPDATE OF m SKIP LOCKED
         )
         UPDATE {{schema}}.message AS m
            SET lease_expires_at = now() + %(lease)s * interval '1 second'
           FROM mine{_RELAXED if relaxed else ""}
-         WHERE m.message_id = mine.message_id
+         WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM mine)) AND m.message_id = mine.message_id
         RETURNING m.message_id
     """
 
@@ -515,7 +546,8 @@ _TEMPLATES.update(
 _ACK_DELETE = """
         DELETE FROM {schema}.message AS m
          USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
-         WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+         WHERE m.message_id = ANY(%(ids)s::uuid[])
+           AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
 """
 _KEEP = """
     kept AS (
@@ -562,7 +594,8 @@ _TEMPLATES.update(
                    SET state = 'dead', finished_at = now(), last_error = o.error, lease_expires_at = NULL
                   FROM unnest(%(ids)s::uuid[], %(deliveries)s::uuid[], %(errors)s::text[])
                        AS o(id, delivery, error)
-                 WHERE m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+                 WHERE m.message_id = ANY(%(ids)s::uuid[])
+                   AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
                 RETURNING m.message_id, m.delivery, m.queue_name
             ),
             {_tally("dead")}
@@ -617,7 +650,8 @@ _TEMPLATES.update(
             ),
             running AS (
                 SELECT queue_name, count(*) AS n, count(*) FILTER (WHERE lease_expires_at < now()) AS expired
-                  FROM {{schema}}.message WHERE state = 'running' GROUP BY queue_name
+                  FROM {{schema}}.message WHERE state = 'running' AND lease_expires_at IS NOT NULL
+                 GROUP BY queue_name
             ),
             recent AS (
                 SELECT queue_name,
@@ -709,12 +743,14 @@ _TEMPLATES.update(
              WHERE message_id = ANY(%s::uuid[]) AND state IN ('dead', 'cancelled')
         """,
         "redrive": f"""
+            WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::bytea[])
+                                     AS o(id, attempt, state, payload))
             UPDATE {{schema}}.message AS m
                SET state = 'queued', payload = o.payload, available_at = now(), finished_at = NULL,
                    lease_expires_at = NULL, consumer_id = NULL,
                    {_retake("m", finished_too=True)}
-              FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::bytea[]) AS o(id, attempt, state, payload)
-             WHERE m.message_id = o.id AND m.attempt = o.attempt AND m.state = o.state
+              FROM o
+             WHERE {_BY_IDS} AND m.message_id = o.id AND m.attempt = o.attempt AND m.state = o.state
                AND m.state IN ('dead', 'cancelled')
             RETURNING m.message_id, m.queue_name
         """,
@@ -777,7 +813,10 @@ _TEMPLATES.update(
             "priority DESC, at DESC, seq DESC",
         ),
         # Running: newest first (few rows: the lease index).
-        "list_running": _page("message", "lease_expires_at", "state = 'running' AND seq < %(seq)s", "seq DESC", "seq"),
+        "list_running": _page(
+            "message", "lease_expires_at", "state = 'running' AND lease_expires_at IS NOT NULL AND seq < %(seq)s",
+            "seq DESC", "seq"
+        ),
         # Finished: most recently finished first.
         "list_done": _page(
             "history",
@@ -1066,7 +1105,7 @@ class Statements:
     retry: bytes
     requeue: bytes
     extend: bytes
-    held_elsewhere: bytes
+    delivery_states: bytes
     extend_relaxed: bytes
     begin_relaxed: bytes
     current: bytes

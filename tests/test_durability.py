@@ -19,6 +19,9 @@ from helpers import Factory, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_DURABLE_OUTCOMES
+from dramatiq_pg_fenced.consumer import HEAD
+
+FROM_HEAD = {"from_priority": HEAD[0], "from_at": HEAD[1], "from_seq": HEAD[2]}
 
 
 def test_claims_and_outcomes_are_relaxed_by_default() -> None:
@@ -42,12 +45,12 @@ def test_the_claim_and_extension_set_synchronous_commit_for_their_own_transactio
     extend = stmts.extend if durable else stmts.extend_relaxed
     expected = ("on",) if durable else ("off",)
     with psycopg.connect(dramatiq_pg_url) as conn:
-        row = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test"}).fetchone()
+        row = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test", **FROM_HEAD}).fetchone()
         assert row is not None and str(row[0]) == message.message_id
         assert conn.execute("SHOW synchronous_commit").fetchone() == expected
         conn.rollback()
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-        claimed = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test"}).fetchone()
+        claimed = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test", **FROM_HEAD}).fetchone()
         conn.commit()
         assert claimed is not None
         assert conn.execute(extend, {"ids": [claimed[0]], "deliveries": [claimed[2]], "lease": 30}).fetchall()

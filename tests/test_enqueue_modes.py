@@ -283,7 +283,8 @@ def test_outbox_commit_makes_row_and_message_visible_together(
             assert stored(broker) == []  # another connection sees nothing yet
             assert bell.drain(quiet=0.2) == []  # and the doorbell rings only at commit
         assert len(stored(broker)) == 1
-        assert bell.drain() == [confirm.queue_name]
+        # "!back": the row's place in line is the transaction's start, behind consumers' floors
+        assert bell.drain() == [f"!back {confirm.queue_name}", confirm.queue_name]
     with running_worker(broker, threads=2):
         broker.join(confirm.queue_name, timeout=30_000)
     assert found == [42]  # the actor saw the business row: they committed together

@@ -1,0 +1,213 @@
+"""Soak: a steady trickle of sends for minutes, with and without a pinned xmin.
+
+    python -m benchmarks.soak [--rate 300] [--minutes 10] [--pinned-minutes 5] [--pin 120:240]
+
+Two runs, one after the other, each on a fresh schema with real ``dramatiq``
+workers (2 processes x 8 threads): one ``send()`` at a time at ``--rate``
+messages/s, to an actor that stamps when it started.
+
+- **unpinned**: nothing else happens for ``--minutes``;
+- **pinned**: another session holds a ``REPEATABLE READ`` transaction (its
+  snapshot taken) open over the ``--pin`` seconds of the run, so vacuum may
+  remove no row version newer than it: what a report, ``pg_dump`` or a
+  forgotten ``BEGIN`` does to the database a queue lives in.
+
+Per window of ``--window`` seconds (by send time) it prints the latency from
+``send()`` to the actor's start (p50, p99), the producer's achieved rate, and,
+sampled at the window's end, the message table's size (heap and indexes) and
+its dead tuples (``pg_stat_user_tables``).  The two runs are printed side by
+side; the machine is shared, so compare within one run.  Results go to
+``benchmarks/results/soak.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from benchmarks import apps
+from benchmarks.run import RESULTS, Plan, PostgresDriver, Workers, log, percentile, wait_until
+
+PLAN = Plan("soak", 1, 0, 0, 0.0, 0, 0.0, 0, 0, 5_000, 1)
+
+
+class Sampler(threading.Thread):
+    """Table size and dead tuples of the message table, once per window."""
+
+    def __init__(self, url: str, schema: str, window: float, start: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.schema, self.window, self.start_at = url, schema, window, start
+        self.samples: list[dict[str, float]] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        table = f'"{self.schema}".message'
+        with psycopg.connect(apps.pg_url(self.url, "bench-soak-sampler"), autocommit=True) as conn:
+            k = 1
+            while not self.stopping.wait(max(0.0, self.start_at + k * self.window - time.monotonic())):
+                row = conn.execute(
+                    "SELECT pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
+                    "       (SELECT count(*) FROM pg_stat_activity WHERE backend_xmin IS NOT NULL"
+                    "          AND application_name = 'bench-soak-pin')"
+                    "  FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+                    " WHERE c.oid = %s::regclass",
+                    [table],
+                ).fetchone()
+                assert row is not None
+                self.samples.append({"mb": row[0] / 2**20, "dead": row[1], "live": row[2], "pin_sessions": row[3]})
+                k += 1
+
+
+def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace, pin: tuple[float, float] | None):
+    seconds = (args.pinned_minutes if pin else args.minutes) * 60
+    driver.fresh()
+    stamps = tmp / f"{name}.stamps"
+    stamps.write_text("")
+    workers = Workers({**driver.worker_env(), "BENCH_LATENCY_FILE": str(stamps)}, tmp / f"{name}.log")
+    send = driver.actors["stamp"].send
+    pin_conn: psycopg.Connection | None = None
+    try:
+        # Ready: a first message comes back.
+        send(time.time())
+        if not wait_until(lambda: stamps.read_text().strip() != "", timeout=60, interval=0.05):
+            raise RuntimeError(f"workers did not start; see {workers.log_path}")
+        stamps.write_text("")
+        time.sleep(1.0)
+        start = time.monotonic()
+        sampler = Sampler(driver.url, driver.schema, args.window, start)
+        sampler.start()
+        sent_at: list[float] = []  # monotonic offset of each send
+        i = 0
+        while True:
+            now = time.monotonic() - start
+            if now >= seconds:
+                break
+            if pin and pin_conn is None and now >= pin[0]:
+                pin_conn = psycopg.connect(apps.pg_url(driver.url, "bench-soak-pin"))
+                pin_conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                pin_conn.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot: xmin pinned
+                log(f"{name}: xmin pinned at {now:.0f} s")
+            if pin and pin_conn is not None and not pin_conn.closed and now >= pin[1]:
+                pin_conn.rollback()
+                pin_conn.close()
+                log(f"{name}: pin released at {now:.0f} s")
+            due = i / args.rate
+            if due > now:
+                time.sleep(due - now)
+            elif now - due > 1.0:  # more than a second behind: the rate is lost, do not burst
+                i = int(now * args.rate)
+            send(time.time())
+            sent_at.append(time.monotonic() - start)
+            i += 1
+        sampler.stopping.set()
+        sampler.join()
+        total = len(sent_at)
+        wait_until(lambda: len(stamps.read_text().splitlines()) >= total, timeout=120, interval=0.2)
+    finally:
+        if pin_conn is not None and not pin_conn.closed:
+            pin_conn.close()
+        workers.stop()
+    lines = [line.split() for line in stamps.read_text().splitlines()]
+    # Map each stamp to its window by its send time relative to the first send.
+    sends = sorted(float(a) for a, _ in lines)
+    wall0 = sends[0] - sent_at[0] if sends else 0.0
+    windows = int(seconds // args.window)
+    out: list[dict[str, Any]] = []
+    for w in range(windows):
+        lo, hi = w * args.window, (w + 1) * args.window
+        lat = sorted((float(b) - float(a)) * 1000 for a, b in lines if lo <= float(a) - wall0 < hi)
+        count = sum(1 for t in sent_at if lo <= t < hi)
+        sample = sampler.samples[w] if w < len(sampler.samples) else {}
+        out.append(
+            {
+                "window": [lo, hi],
+                "p50_ms": percentile(lat, 50) if lat else None,
+                "p99_ms": percentile(lat, 99) if lat else None,
+                "received": len(lat),
+                "sent_per_s": count / args.window,
+                "pinned": bool(pin and lo < pin[1] and hi > pin[0]),
+                **sample,
+            }
+        )
+    missing = total - len(lines)
+    return {"windows": out, "sent": total, "missing": missing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=300.0, help="sends per second")
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the unpinned run")
+    parser.add_argument("--pinned-minutes", type=float, default=5.0, help="length of the pinned run")
+    parser.add_argument("--pin", default="120:240", help="seconds of the pinned run the xmin is held (from:to)")
+    parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--runs", default="unpinned,pinned")
+    args = parser.parse_args(argv)
+    pin_from, pin_to = (float(x) for x in args.pin.split(":"))
+    url = os.environ.get("BENCH_PG_URL") or apps.PG_URL
+    runs = args.runs.split(",")
+    out: dict[str, Any] = {"rate": args.rate, "window": args.window, "pin": [pin_from, pin_to]}
+    out["load_start"] = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        driver = PostgresDriver(PLAN, tmp, url)
+        try:
+            out["postgresql"] = driver.versions()["postgresql"]["server_version"]
+            for name in runs:
+                log(f"{name}: {args.rate:g} sends/s")
+                out[name] = soak(driver, tmp, name, args, (pin_from, pin_to) if name == "pinned" else None)
+        finally:
+            driver.close()
+            driver.shutdown()
+    out["load_end"] = os.getloadavg()
+    report(out, runs)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "soak.json").write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def _cells(w: dict[str, Any] | None) -> str:
+    if not w:
+        return " " * 40
+    p50 = f"{w['p50_ms']:.1f}" if w["p50_ms"] is not None else "-"
+    p99 = f"{w['p99_ms']:.1f}" if w["p99_ms"] is not None else "-"
+    mb = f"{w['mb']:.1f}" if "mb" in w else "-"
+    dead = f"{w['dead']:,}" if "dead" in w else "-"
+    mark = "*" if w["pinned"] else " "
+    return f"{p50:>6} {p99:>7} {w['sent_per_s']:>5.0f} {mb:>6} {dead:>9}{mark}"
+
+
+def report(out: dict[str, Any], runs: list[str]) -> None:
+    head = f"{'p50':>6} {'p99':>7} {'/s':>5} {'MB':>6} {'dead':>9} "
+    print(f"\nsoak at {out['rate']:g} sends/s, PostgreSQL {out['postgresql']}; latency ms from send() to actor start")
+    print(f"{'window s':<10}" + "".join(f"| {name:<39}" for name in runs))
+    print(f"{'':<10}" + "".join(f"| {head}" for _ in runs))
+    longest = max(len(out[name]["windows"]) for name in runs)
+    for k in range(longest):
+        ws = [out[name]["windows"][k] if k < len(out[name]["windows"]) else None for name in runs]
+        first = next(w for w in ws if w)
+        label = f"{first['window'][0]:.0f}-{first['window'][1]:.0f}"
+        print(f"{label:<10}" + "".join(f"| {_cells(w)}" for w in ws))
+    for name in runs:
+        r = out[name]
+        unpinned = [w["p99_ms"] for w in r["windows"] if not w["pinned"] and w["p99_ms"] is not None]
+        pinned = [w["p99_ms"] for w in r["windows"] if w["pinned"] and w["p99_ms"] is not None]
+        line = f"{name}: {r['sent']:,} sent, {r['missing']} never started"
+        if unpinned:
+            line += f"; p99 unpinned windows max {max(unpinned):.1f} ms"
+        if pinned:
+            line += f", pinned windows max {max(pinned):.1f} ms ({max(pinned) / max(unpinned):.2f}x)"
+        print(line)
+    print("* = the xmin was pinned during (part of) the window")
+    print(f"load average {out['load_start'][0]:.1f} -> {out['load_end'][0]:.1f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

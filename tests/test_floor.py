@@ -1,0 +1,273 @@
+"""Where claims start (consumer.Floor): past the dead head of the claim index, yet nothing is left behind.
+
+A consumer that saw its queue drained claims from a floor a little before
+that moment instead of from the head of the index; these tests put rows
+behind that floor in every way one can get there and check that they are
+claimed: at once when something announces them (a rescue, a release, a
+resume), and by the next look back at the head otherwise (a late commit, a
+priority no actor here has).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.message import Message
+from helpers import query, wait_for
+
+from dramatiq_pg_fenced import PostgresBroker, consumer
+from dramatiq_pg_fenced.consumer import HEAD, PostgresConsumer
+
+
+@pytest.fixture
+def broker(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> PostgresBroker:
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600)
+    dramatiq.set_broker(broker)
+
+    @dramatiq.actor(queue_name="floor")
+    def work(n: int) -> None:
+        pass
+
+    return broker
+
+
+@pytest.fixture
+def no_look_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims from the head only when told to (an hour apart otherwise)."""
+    monkeypatch.setattr(consumer, "LOOK_BACK_EVERY", 3600.0)
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, Any, int]]]:
+    """Where each claim of the test started."""
+    seen: list[tuple[int, Any, int]] = []
+    real = consumer.Floor.start
+
+    def start(self: consumer.Floor) -> tuple[int, Any, int]:
+        where = real(self)
+        seen.append(where)
+        return where
+
+    monkeypatch.setattr(consumer.Floor, "start", start)
+    yield seen
+
+
+def send(broker: PostgresBroker, n: int) -> Message:
+    return broker.enqueue(Message(queue_name="floor", actor_name="work", args=(n,), kwargs={}, options={}))
+
+
+def next_message(c: PostgresConsumer, timeout: float = 10.0) -> Any:
+    return wait_for(lambda: next(c), timeout=timeout, what="a delivery")
+
+
+def drained_floor(broker: PostgresBroker, c: PostgresConsumer) -> Any:
+    """Claim one message from the head with the queue otherwise empty: the floor is set after it."""
+    c.floor.forget()
+    proxy = next_message(c)
+    assert c.floor.at is not None, "a short claim from the head sets the floor"
+    return proxy
+
+
+def test_claims_start_at_the_floor_once_the_queue_was_seen_drained(
+    broker: PostgresBroker, no_look_back: None, starts: list
+) -> None:
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        send(broker, 0)
+        first = drained_floor(broker, c)
+        starts.clear()
+        send(broker, 1)
+        second = next_message(c)
+        assert tuple(second.args) == (1,)
+        assert starts and all(s is not HEAD for s in starts), starts  # claimed from the floor, not the head
+        c.ack(first)
+        c.ack(second)
+    finally:
+        c.close()
+
+
+def test_a_rescued_message_behind_the_floor_is_claimed_at_once(broker: PostgresBroker, no_look_back: None) -> None:
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        old = send(broker, 0)
+        held = next_message(c)  # the row of `old` is now running, with its old place in line
+        time.sleep(0.4)  # the next floor (claim time - 250 ms) lies after `old`'s place
+        send(broker, 1)
+        newer = drained_floor(broker, c)
+        assert query(
+            broker,
+            "SELECT available_at < %s FROM {schema}.message WHERE message_id = %s",
+            [c.floor.at[0], old.message_id],
+        ) == [(True,)]
+        # Its holder vanished: the lease lapses and maintenance (of any process) puts it back.
+        query(
+            broker,
+            "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE message_id = %s",
+            [old.message_id],
+        )
+        broker.parts.leases.release(held.message_id, held.delivery)  # this process forgets it, as a crashed one would
+        assert broker.parts.maintenance.rescue() == 1
+        again = next_message(c)
+        assert again.message_id == old.message_id and again.attempt == 2
+        c.ack(newer)
+        c.ack(again)
+    finally:
+        c.close()
+
+
+def test_released_messages_behind_the_floor_are_claimed_at_once(
+    broker: PostgresBroker, dramatiq_pg_broker_factory: Callable[..., PostgresBroker], no_look_back: None
+) -> None:
+    other = dramatiq_pg_broker_factory(schema=broker.schema, poll_interval=0.1, rescue_interval=3600)
+    dramatiq.actor(queue_name="floor", actor_name="work", broker=other)(lambda n: None)
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    leaving = other.consume("floor", prefetch=4, timeout=200)
+    try:
+        old = send(broker, 0)
+        prefetched = next_message(leaving)  # another process took it and then shuts down
+        time.sleep(0.4)
+        send(broker, 1)
+        newer = drained_floor(broker, c)
+        leaving.requeue([prefetched])  # released at its old place in line
+        again = next_message(c)
+        assert again.message_id == old.message_id
+        c.ack(newer)
+        c.ack(again)
+    finally:
+        leaving.close()
+        c.close()
+
+
+def test_a_resumed_queue_is_claimed_from_the_head(broker: PostgresBroker, no_look_back: None) -> None:
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        send(broker, 0)
+        first = drained_floor(broker, c)
+        broker.pause("floor")
+        # A row at an old place in line (an operator's insert, a late commit) while paused.
+        late = late_row(broker, priority=0, seconds_ago=60)
+        broker.resume("floor")
+        got = next_message(c)
+        assert got.message_id == late
+        c.ack(first)
+        c.ack(got)
+    finally:
+        c.close()
+
+
+def late_row(broker: PostgresBroker, *, priority: int, seconds_ago: float) -> str:
+    """A queued row stamped *seconds_ago*: what an enqueue that commits that much later than it started leaves."""
+    message_id = str(uuid.uuid4())
+    payload = Message(
+        queue_name="floor", actor_name="work", args=(99,), kwargs={}, options={}, message_id=message_id
+    ).encode()
+    query(
+        broker,
+        "INSERT INTO {schema}.message (message_id, queue_name, actor_name, priority, available_at, payload)"
+        " VALUES (%s, 'floor', 'work', %s, now() - %s * interval '1 second', %s)",
+        [message_id, priority, seconds_ago, payload],
+    )
+    return message_id
+
+
+@pytest.mark.parametrize("listen", [True, False], ids=["listen", "poll"])
+@pytest.mark.parametrize("priority", [0, -5], ids=["late-commit", "unknown-priority"])
+def test_rows_behind_the_floor_are_found_by_the_next_look_back(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+    monkeypatch: pytest.MonkeyPatch,
+    starts: list,
+    listen: bool,
+    priority: int,
+) -> None:
+    monkeypatch.setattr(consumer, "LOOK_BACK_EVERY", 0.3)
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600, listen=listen)
+    dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        send(broker, 0)
+        first = drained_floor(broker, c)
+        # Nothing announces these rows, and they lie before the floor: an enqueue that committed
+        # long after it began, and a priority no actor of this process has.
+        late = late_row(broker, priority=priority, seconds_ago=30)
+        starts.clear()
+        got = next_message(c)
+        assert got.message_id == late
+        assert HEAD in starts  # found by a claim from the head
+        c.ack(first)
+        c.ack(got)
+    finally:
+        c.close()
+
+
+def test_a_lost_claim_makes_the_next_claim_look_back(broker: PostgresBroker, no_look_back: None, starts: list) -> None:
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        send(broker, 0)
+        first = drained_floor(broker, c)
+        broker.parts.lost_claims.add("floor", "someone/floor/9")  # a claim of this process failed in flight
+        starts.clear()
+        send(broker, 1)
+        second = next_message(c)
+        assert starts[0] is HEAD, starts
+        c.ack(first)
+        c.ack(second)
+    finally:
+        c.close()
+
+
+def test_a_backlog_drains_in_order_from_the_floor(broker: PostgresBroker, no_look_back: None, starts: list) -> None:
+    sent = [send(broker, n).message_id for n in range(7)]
+    c = broker.consume("floor", prefetch=2, timeout=200)
+    try:
+        got = []
+        for _ in range(7):
+            m = next_message(c)
+            got.append(m.message_id)
+            c.ack(m)
+        assert got == sent
+        assert any(s is not HEAD for s in starts)  # full claims set the floor too
+    finally:
+        c.close()
+
+
+def test_a_priority_no_actor_here_has_sends_claims_back_to_the_head(broker: PostgresBroker, no_look_back: None) -> None:
+    urgent = [late_row(broker, priority=-5, seconds_ago=1) for _ in range(3)]
+    c = broker.consume("floor", prefetch=2, timeout=200)
+    try:
+        first = [next_message(c), next_message(c)]  # a full claim, and its first row is of priority -5
+        assert c.floor.at is None
+        for m in first:
+            c.ack(m)
+        third = next_message(c)
+        assert {m.message_id for m in [*first, third]} == set(urgent)
+        c.ack(third)
+    finally:
+        c.close()
+
+
+def test_a_message_sent_in_a_long_transaction_is_claimed_at_its_commit(
+    broker: PostgresBroker, dramatiq_pg_url: str, no_look_back: None
+) -> None:
+    """The outbox: the row's place in line is its transaction's start, long before the floor."""
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        with psycopg.connect(dramatiq_pg_url) as conn:
+            conn.execute("SELECT now()")  # the transaction has begun: its now() is fixed
+            time.sleep(0.4)
+            send(broker, 0)
+            first = drained_floor(broker, c)
+            with broker.transaction(conn):
+                outboxed = send(broker, 1)
+            assert next(c) is None  # not committed yet
+        got = next_message(c)
+        assert got.message_id == outboxed.message_id
+        c.ack(first)
+        c.ack(got)
+    finally:
+        c.close()
