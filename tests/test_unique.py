@@ -372,7 +372,7 @@ def test_a_retry_that_meets_a_send_committing_the_key_meanwhile_is_written_again
             lambda: query(
                 broker,
                 "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                [f'UPDATE "{broker.schema}".message %'],
+                [f"%UPDATE \"{broker.schema}\".message AS m SET state = 'queued', payload%"],  # the retry
             ),
             10,
             "the retry waiting for the send",
