@@ -115,7 +115,11 @@ class FenceModel(RuleBasedStateMachine):
     def send_unique(self, key: str, until: str) -> None:
         """A send with a key: not inserted while a row holds it (queued; running if 'finished')."""
         m = dramatiq.Message(
-            queue_name=QUEUE, actor_name="nobody", args=(), kwargs={}, options={"unique_key": key, "unique_until": until}
+            queue_name=QUEUE,
+            actor_name="nobody",
+            args=(),
+            kwargs={},
+            options={"unique_key": key, "unique_until": until},
         )
         holders = [
             mid
