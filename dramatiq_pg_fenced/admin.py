@@ -75,6 +75,7 @@ def state_of(database: Database, statements: Statements, message_id: str) -> tup
 _INSPECT_COLUMNS = (
     "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
     "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries", "claimed_at",
+    "unique_key", "unique_until",
 )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ statements, the settings), and gives every consumer the same.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -55,6 +56,7 @@ from .parts import DeliveryMethods, ProcessParts
 from .schedules import Schedules
 from .schedules import overview as schedule_overview
 from .sql import check_queue, check_schema, statements
+from .unique import UniqueMessages
 
 
 class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
@@ -151,7 +153,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         self.enqueuer = Enqueuer(
             self.statements,
             self.settings,
-            priority_of=self._priority_of,
+            actor_of=self.actors.get,
             max_payload_bytes=max_payload_bytes,
             synchronous_commit=synchronous_commit,
             logger=self.logger,
@@ -165,6 +167,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         self._parts: ProcessParts | None = None
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
         self._local = threading.local()  # per thread: an open batch() or transaction()
+        self.add_middleware(UniqueMessages())  # declares the unique_key and unique_until actor options
         self.add_middleware(FencedDelivery())
 
     def add_middleware(self, middleware: Any, **where: Any) -> None:
@@ -242,10 +245,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         if parts is None or parts.pid != os.getpid():
             return True
         return parts.writer.flush(timeout)
-
-    def _priority_of(self, actor_name: str) -> int:
-        actor = self.actors.get(actor_name)
-        return actor.priority if actor is not None else 0
 
     def _remember_dead(self, message_id: str, exception: BaseException | None) -> None:
         """For ``join(fail_fast=True)``: the actor's own exception, when it failed here."""
@@ -335,6 +334,13 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         A message this broker delivered (Dramatiq's Retries middleware sends
         the same proxy back) is not inserted again: its row goes back to the
         queue, fenced on the delivering attempt.
+
+        A message with a unique key (``unique_key``, see unique.py) that
+        another message of its actor holds is not inserted: the message
+        returned is then a copy carrying the holder's ``message_id`` (so
+        ``actor.send(...).get_result()`` waits for the holder's result).
+        Inside :meth:`batch` or a delivery's follow-ups the message is
+        returned as sent, since nothing is written yet.
         """
         self.emit_before("enqueue", message, delay)
         if isinstance(message, PostgresMessageProxy):
@@ -346,7 +352,10 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             batch.append((message, delay))  # written, and emit_after sent, when the block ends
             return message
         else:
-            self._insert([(message, delay)])
+            ids = self._insert([(message, delay)])
+            if ids is not None and ids[0] != message.message_id:
+                self.emit_after("enqueue", message, delay)
+                return dataclasses.replace(message, message_id=ids[0])  # deduplicated: the holder's id
         self.emit_after("enqueue", message, delay)
         return cast(Message, message)
 
@@ -374,14 +383,22 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         return outcome.kind is Write.RETRY
 
     def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
-        """Store many messages in one round trip and one commit."""
+        """Store many messages in one round trip and one commit.
+
+        Returns the messages; one whose unique key another message holds (or
+        an earlier one of this call) comes back as a copy with the holder's id.
+        """
         messages = list(messages)
         for message in messages:
             self.emit_before("enqueue", message, delay)
-        self._insert([(m, delay) for m in messages])
+        ids = self._insert([(m, delay) for m in messages])
         for message in messages:
             self.emit_after("enqueue", message, delay)
-        return messages
+        if ids is None:
+            return messages
+        return [
+            m if i == m.message_id else dataclasses.replace(m, message_id=i) for m, i in zip(messages, ids, strict=True)
+        ]
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -423,9 +440,10 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         """*message* as the enqueue statement takes it (see :meth:`.enqueue.Enqueuer.row`)."""
         return self.enqueuer.row(message, delay)
 
-    def _insert(self, items: list[tuple[Message, int | None]]) -> None:
+    def _insert(self, items: list[tuple[Message, int | None]]) -> list[str] | None:
+        """Write *items*; ``None``, or with unique keys the id each send stands for (see Enqueuer.write)."""
         if not items:
-            return
+            return None
         rows = [self.enqueuer.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
         if caller_conn is not None:
@@ -435,11 +453,10 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
                 # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
                 queues = sorted({r[1] for r in rows})
                 caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
-            self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
-            return
+            return self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
         # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
         # One statement, so autocommit makes it one round trip and one commit.
-        self.database.run(lambda conn: self.enqueuer.write(conn, rows))
+        return self.database.run(lambda conn: self.enqueuer.write(conn, rows))
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of the queue, dead letters included."""

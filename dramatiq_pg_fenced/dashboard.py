@@ -340,6 +340,8 @@ class Dashboard:
             ("finished", _time(info["finished_at"])),
             ("ran", _age(info["ran_seconds"])),
         ]
+        if info.get("unique_key") is not None:
+            fields.append(("unique key", f"{_e(info['unique_key'])} (unique_until={_e(info['unique_until'])})"))
         body = _note(query) + "<table class=fields>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in fields)
         body += "</table>"
         if "decode_error" in info:

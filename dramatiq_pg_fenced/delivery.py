@@ -23,8 +23,9 @@ from dramatiq.message import Message
 from .config import MAX_ERROR_BYTES
 from .fencing import Write
 
-#: A message ready for the enqueue statement: (id, queue, actor, priority, delay ms, payload).
-Row = tuple[str, str, str, int, int, bytes]
+#: A message ready for the enqueue statement: (id, queue, actor, priority, delay ms, payload,
+#: unique key, unique until).  The last two are ``None`` for a send without a key (see unique.py).
+Row = tuple[str, str, str, int, int, bytes, str | None, str | None]
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The broker decides where a send goes (the caller's transaction, a batch, the
 outcome of the delivery that sent it, or at once); this module turns messages
 into rows and writes them.  An id that exists already is not inserted again:
-the sender is told once per send, and it is counted.
+the sender is told once per send, and it is counted.  A send whose unique key
+another message holds is not inserted either; the writer returns the
+holder's id for it (see unique.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import psycopg
@@ -22,6 +25,11 @@ from .config import Settings
 from .delivery import Row
 from .errors import PayloadTooLarge
 from .sql import Statements, check_queue
+from .unique import key_of
+
+#: How often a send with a key is tried again when its key was freed between
+#: the insert that found it held and the read of its holder.
+UNIQUE_TRIES = 5
 
 
 class Enqueuer:
@@ -30,14 +38,14 @@ class Enqueuer:
         statements: Statements,
         settings: Settings,
         *,
-        priority_of: Callable[[str], int],
+        actor_of: Callable[[str], Any],
         max_payload_bytes: int,
         synchronous_commit: bool,
         logger: logging.Logger,
     ) -> None:
         self.statements = statements
         self.settings = settings
-        self.priority_of = priority_of
+        self.actor_of = actor_of  # the declared actor of a name, or None
         self.max_payload_bytes = max_payload_bytes
         self.synchronous_commit = synchronous_commit
         self.logger = logger
@@ -71,22 +79,91 @@ class Enqueuer:
             message = dataclasses.replace(message, options={k: v for k, v in message.options.items() if k != "eta"})
             if isinstance(eta, (int, float)):
                 delay_ms = max(delay_ms, int(eta) - current_millis())
-        priority = self.priority_of(message.actor_name)
-        return (message.message_id, message.queue_name, message.actor_name, priority, delay_ms, self.encode(message))
+        actor = self.actor_of(message.actor_name)
+        priority, actor_options = (actor.priority, actor.options) if actor is not None else (0, None)
+        key, until = key_of(message, actor_options)
+        return (
+            message.message_id,
+            message.queue_name,
+            message.actor_name,
+            priority,
+            delay_ms,
+            self.encode(message),
+            key,
+            until,
+        )
 
-    def write(self, conn: psycopg.Connection, rows: list[Row]) -> None:
-        """Insert *rows* in one statement (idempotent by id: safe to run again)."""
+    def write(self, conn: psycopg.Connection, rows: list[Row]) -> list[str] | None:
+        """Insert *rows* in one statement (idempotent by id: safe to run again).
+
+        Returns ``None`` when no row carries a unique key; else, per row, the
+        id of the message it stands for: its own, or that of the message
+        holding its key.
+        """
+        if any(row[6] is not None for row in rows):
+            return self.write_unique(conn, rows)
         relaxed = not self.synchronous_commit
         channel, listen = self.settings.channel, self.settings.listen
         if len(rows) == 1:  # a plain send(): one row of scalars is cheaper than unnest
             statement = self.statements.enqueue_one_relaxed if relaxed else self.statements.enqueue_one
-            params: list[Any] = [*rows[0], channel, listen]
+            params: list[Any] = [*rows[0][:6], channel, listen]
         else:
             statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
-            params = [*map(list, zip(*rows, strict=True)), channel, listen]
+            params = [*map(list, islice(zip(*rows, strict=True), 6)), channel, listen]
         inserted = conn.execute(statement, params).fetchone()
         if inserted is not None and inserted[0] < len(rows):
             self._not_inserted(rows, len(rows) - inserted[0])
+        return None
+
+    def write_unique(self, conn: psycopg.Connection, rows: list[Row], *, tries: int = UNIQUE_TRIES) -> list[str]:
+        """Insert *rows*, some with a unique key; per row, the id it stands for (see :meth:`write`).
+
+        One round trip, unless a holder committed while the insert ran (then
+        its id is read again) or was acked, dead-lettered or cancelled in
+        between (then those sends are tried again, at most *tries* times).
+        """
+        statement = (
+            self.statements.enqueue_unique_relaxed if not self.synchronous_commit else self.statements.enqueue_unique
+        )
+        params = [*map(list, zip(*rows, strict=True)), self.settings.channel, self.settings.listen]
+        ids: list[str] = []
+        duplicates: list[Row] = []
+        unseen: list[int] = []  # sends with a key, not inserted, whose holder was not visible
+        for i, (row, (inserted, holder, _)) in enumerate(zip(rows, conn.execute(statement, params), strict=True)):
+            ids.append(row[0] if inserted or holder is None else str(holder))
+            if inserted:
+                continue
+            if holder is None and row[6] is not None:
+                unseen.append(i)
+            elif holder is None or str(holder) == row[0]:
+                duplicates.append(row)  # its id exists already (holding its key or not)
+        if unseen:
+            again: list[int] = []
+            params = [[rows[i][0] for i in unseen], [rows[i][2] for i in unseen], [rows[i][6] for i in unseen]]
+            for i, (holder, exists) in zip(unseen, conn.execute(self.statements.unique_holders, params), strict=True):
+                if holder is not None:
+                    ids[i] = str(holder)
+                    if ids[i] == rows[i][0]:
+                        duplicates.append(rows[i])
+                elif exists:
+                    duplicates.append(rows[i])
+                else:
+                    again.append(i)  # the key was freed meanwhile: send it again
+            if again and tries > 1:
+                for i, sent in zip(
+                    again, self.write_unique(conn, [rows[i] for i in again], tries=tries - 1), strict=True
+                ):
+                    ids[i] = sent
+            elif again:
+                self.logger.warning(
+                    "%d send(s) with a unique key neither inserted nor deduplicated after %d tries "
+                    "(their key was freed and taken again each time); not enqueued.",
+                    len(again),
+                    UNIQUE_TRIES,
+                )
+        if duplicates:
+            self._not_inserted(duplicates, len(duplicates))
+        return ids
 
     def _not_inserted(self, rows: list[Row], count: int) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psycopg
 from dramatiq.errors import BrokerError, ConnectionClosed
+from dramatiq.middleware import MiddlewareError
 from psycopg_pool import PoolTimeout
 
 
@@ -13,6 +14,14 @@ class SchemaError(BrokerError):
 
 class PayloadTooLarge(BrokerError, ValueError):
     """An encoded message is larger than the broker's ``max_payload_bytes``."""
+
+
+class UniqueOptionError(MiddlewareError, ValueError):
+    """An actor declared with a ``unique_key`` or ``unique_until`` the broker cannot use.
+
+    A ``MiddlewareError``, so Dramatiq lets it out of the declaration (it
+    only logs other errors of a middleware's hooks).
+    """
 
 
 class DeadLetterError(BrokerError):
@@ -65,17 +74,34 @@ def describe_failure(error: BaseException, where: str = "") -> str:
     return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"
 
 
+def key_taken_meanwhile(error: BaseException) -> bool:
+    """A row going back to the queue met a send that took its unique key while the statement ran.
+
+    The statement takes the key back only if no other row holds it (sql.py,
+    ``_retake``), but a holder that commits after the statement's snapshot is
+    seen only by the index.  Written again, the statement sees the holder and
+    moves the row without its key.
+    """
+    return (
+        isinstance(error, psycopg.errors.UniqueViolation)
+        and getattr(error.diag, "constraint_name", None) == "message_unique_idx"
+    )
+
+
 def worth_retrying(error: BaseException) -> bool:
     """Could the same write succeed later, unchanged?
 
     Yes when the connection was lost, the server was busy or going away
     (lock or statement timeout, deadlock, serialization failure, too many
-    connections, disk full) or the schema is not migrated yet.  No when the
+    connections, disk full), the schema is not migrated yet, or a unique key
+    was taken meanwhile (:func:`key_taken_meanwhile`).  No when the
     database refused what was written (bad data, a constraint, a trigger that
     raised, a value over a limit) or the driver could not even send it (text
     that is not valid Unicode): writing it again would be refused again.
     """
     if lost_connection(error):
+        return True
+    if key_taken_meanwhile(error):
         return True
     if isinstance(error, psycopg.errors.ProgramLimitExceeded):
         return False

@@ -38,7 +38,7 @@ from .config import Settings
 from .database import Database
 from .delivery import MAX_ERROR_BYTES, Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row, storable_text
 from .doorbell import look_back
-from .errors import PayloadTooLarge, SchemaError, lost_connection, refusal, worth_retrying
+from .errors import PayloadTooLarge, SchemaError, key_taken_meanwhile, lost_connection, refusal, worth_retrying
 from .fencing import Miss, StaleWrites, State, Write
 from .leases import Held, Leases
 from .reconnect import RETRY_INTERVAL
@@ -217,6 +217,12 @@ class OutcomeWriter:
             if worth_retrying(e):
                 if isinstance(e, SchemaError):
                     pass  # the database layer says so, once (then once a minute)
+                elif key_taken_meanwhile(e):
+                    self.logger.info(
+                        "A send took the unique key of a message going back to the queue while the outcomes "
+                        "were written (%s); writing them again.",
+                        refusal(e),
+                    )
                 elif not lost_connection(e):
                     self.logger.warning(
                         "Could not write %d outcome(s) (%s); trying again in %.2fs. "
@@ -439,8 +445,12 @@ class OutcomeWriter:
             if self._count_down(conn, countdown):
                 rows.extend(countdown.completions)
         if rows:
+            # With a unique key (unique.py), a follow-up whose key another message holds is not
+            # inserted; nobody waits for its id here.
+            keyed = any(row[6] is not None for row in rows)
             columns = [list(column) for column in zip(*rows, strict=True)]
-            conn.execute(self.statements.enqueue, [*columns, self.settings.channel, self.settings.listen])
+            statement = self.statements.enqueue_unique if keyed else self.statements.enqueue
+            conn.execute(statement, [*(columns if keyed else columns[:6]), self.settings.channel, self.settings.listen])
 
     def _count_down(self, conn: psycopg.Connection, countdown: Countdown) -> bool:
         """Dramatiq's ``Barrier.wait(block=False)``: down by one unless at the last party; ``True`` when cleared."""

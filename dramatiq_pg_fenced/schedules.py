@@ -476,7 +476,8 @@ class Scheduler(Periodic):
         return min(max(wait, 0.001), MAX_SLEEP)
 
     def _enqueue(self, conn: psycopg.Connection, scheduled: Schedule, tick: datetime) -> bool:
-        message_id, queue_name, actor_name, priority, _, payload = self.row(scheduled.message(tick), None)
+        # A unique key of the actor (unique.py) is not applied: the tick is the message's uniqueness.
+        message_id, queue_name, actor_name, priority, _, payload, *_ = self.row(scheduled.message(tick), None)
         inserted = conn.execute(
             self.statements.schedule_tick,
             {

@@ -15,6 +15,7 @@ legal transition, and the one statement that makes it:
 from       to         statement        who, and the fence
 =========  =========  ===============  ==============================================
 (none)     queued     enqueue(_one)    a producer; ``ON CONFLICT DO NOTHING`` by id
+(none)     queued     enqueue_unique   the same, with a key; nothing while the key is held
 (none)     queued     schedule_tick    a scheduler; once per (schedule, tick), by the
                                        database clock (see schedules.py)
 queued     running    claim            a consumer; attempt + 1, a new token, a lease; not if paused
@@ -41,6 +42,18 @@ dead       (deleted)  purge_queue_*    an operator
 cancelled  (deleted)  purge_queue_*    an operator
 history    (deleted)  purge_history    maintenance, after ``keep_finished``
 =========  =========  ===============  ==============================================
+
+Unique keys (migration 006): a row with ``unique_key`` *holds* it while
+queued, and while running if ``unique_until = 'finished'`` (the predicate of
+``message_unique_idx``, :data:`_HELD`).  Every transition above keeps the
+index's meaning: inserts do nothing on a held key; claim, ack, nack, cancel
+and the purges only take rows out of the held set (or keep a 'finished' row
+in it); the transitions *into* it from a row that did not hold its key
+(``retry``, ``requeue``, ``release_unseen`` and ``rescue`` of a 'started'
+row, ``redrive`` of any) take the key back only if no other row with the
+key is queued or running (redrive: exists at all), else the row goes back
+to the queue without its key (:func:`_retake`): the newer message keeps the
+key, and both run.
 
 ``lost_deliveries`` counts the deliveries that ended without any outcome
 (migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
@@ -91,6 +104,43 @@ def check_queue(name: str) -> str:
     return name
 
 
+# Does a row hold its unique key (migration 006)?  The predicate of
+# message_unique_idx, spelled the same so the planner proves the index usable.
+def _held(alias: str) -> str:
+    return (
+        f"{alias}.unique_key IS NOT NULL AND ({alias}.state = 'queued'"
+        f" OR ({alias}.state = 'running' AND {alias}.unique_until = 'finished'))"
+    )
+
+
+_HELD = _held("u")
+
+
+def _retake(alias: str, *, finished_too: bool) -> str:
+    """SET clause: a row going back to the queue keeps its key only if no other row carries it.
+
+    For rows that did not hold their key: a 'started' row leaving running
+    (retry, requeue, release_unseen, rescue), or, with *finished_too* (redrive),
+    any dead or cancelled row.  The key is kept only if no other row with it
+    is queued or running (redrive: exists at all); else it is set to NULL and
+    the row goes back without it, so the move never violates the index.
+    Asking about every other row, not only holders, keeps two rows that one
+    statement moves from taking one key: each sees the other, and neither
+    takes it.  Rows without a key skip the probe (CASE evaluates lazily; the
+    probe reads message_key_idx).  A send holding the key that commits while
+    this statement runs can still make it fail with a unique violation on
+    message_unique_idx: callers write again, and the next snapshot sees the
+    holder (:func:`.errors.worth_retrying`).
+    """
+    keep = f"{alias}.unique_key IS NULL" + ("" if finished_too else f" OR {alias}.unique_until = 'finished'")
+    live = "" if finished_too else "AND u.state IN ('queued', 'running')"
+    return f"""unique_key = CASE WHEN {keep} THEN {alias}.unique_key
+                     WHEN EXISTS (SELECT FROM {{schema}}.message AS u
+                                   WHERE u.actor_name = {alias}.actor_name AND u.unique_key = {alias}.unique_key
+                                     AND u.unique_key IS NOT NULL AND u.message_id <> {alias}.message_id {live})
+                     THEN NULL ELSE {alias}.unique_key END"""
+
+
 # A delivery ended without an outcome (rescue, release_unseen): count it, and
 # at %(max)s such deliveries (NULL: no limit) dead-letter the message with the
 # reason, keeping the error of its last retry, instead of queueing it again.
@@ -105,7 +155,8 @@ _LOST = f"""
              || ' without an outcome (the worker crashed or lost its lease each time; max_deliveries='
              || %(max)s::int || ')' || coalesce(E'\\nthe error before that: ' || last_error, '')
         ELSE last_error END,
-    lease_expires_at = NULL, consumer_id = NULL
+    lease_expires_at = NULL, consumer_id = NULL,
+    {_retake("m", finished_too=False)}
 """
 
 #: Every statement that joins message rows to a list of ids also says
@@ -160,7 +211,7 @@ _TEMPLATES = {
     # held.  They go back now, not when their lease runs out; the next claim
     # bumps the attempt.
     "release_unseen": f"""
-        UPDATE {{schema}}.message
+        UPDATE {{schema}}.message AS m
            SET {_LOST}
          WHERE state = 'running' AND lease_expires_at IS NOT NULL
            AND consumer_id = ANY(%(consumers)s::text[]) AND queue_name = %(queue)s
@@ -174,7 +225,8 @@ _TEMPLATES = {
         UPDATE {{schema}}.message AS m
            SET state = 'queued', payload = o.payload, last_error = o.error,
                available_at = now() + o.delay_ms * interval '1 millisecond',
-               lease_expires_at = NULL, consumer_id = NULL
+               lease_expires_at = NULL, consumer_id = NULL,
+               {_retake("m", finished_too=False)}
           FROM o
          WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
@@ -182,7 +234,8 @@ _TEMPLATES = {
     "requeue": f"""
         WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
         UPDATE {{schema}}.message AS m
-           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL
+           SET state = 'queued', lease_expires_at = NULL, consumer_id = NULL,
+               {_retake("m", finished_too=False)}
           FROM o
          WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
         RETURNING m.message_id, m.delivery
@@ -215,7 +268,7 @@ _TEMPLATES = {
     # Each rescued lease is a redelivery to come: counted for operators.
     "rescue": f"""
         WITH back AS (
-            UPDATE {{schema}}.message
+            UPDATE {{schema}}.message AS m
                SET {_LOST}
              WHERE state = 'running' AND lease_expires_at < now()
             RETURNING message_id, queue_name, attempt, state
@@ -288,7 +341,7 @@ _TEMPLATES = {
     "inspect": """
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
-               finished_at, last_error, lost_deliveries, claimed_at, payload
+               finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until, payload
           FROM {schema}.message WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
@@ -323,6 +376,18 @@ _ENQUEUE_ROWS = {
 }
 
 
+# The doorbell of every enqueue: rings for the rows of ``ins``.
+_RING = """
+        rung AS (
+            SELECT pg_notify(%s, CASE WHEN q.later
+                                      THEN q.queue_name || chr(9)
+                                           || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
+                                      ELSE q.queue_name END)
+              FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
+                      FROM ins WHERE %s GROUP BY 1, 2) AS q
+        )"""
+
+
 def _enqueue(rows: str, *, relaxed: bool) -> str:
     return f"""
         WITH ins AS (
@@ -334,15 +399,48 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
                    {_RELAXED if relaxed else ""}
             ON CONFLICT (message_id) DO NOTHING
             RETURNING queue_name, available_at
-        ), rung AS (
-            SELECT pg_notify(%s, CASE WHEN q.later
-                                      THEN q.queue_name || chr(9)
-                                           || ceil(extract(epoch FROM q.at - now()) * 1000)::bigint
-                                      ELSE q.queue_name END)
-              FROM (SELECT queue_name, available_at > now() AS later, min(available_at) AS at
-                      FROM ins WHERE %s GROUP BY 1, 2) AS q
-        )
+        ), {_RING}
         SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
+    """
+
+
+# Sends of which at least one carries a unique key (migration 006); sends
+# without one never take this path.  ON CONFLICT DO NOTHING without a target
+# covers both the id and message_unique_idx: a held key makes the insert do
+# nothing.  Rows go in in send order (ORDER BY n), so of two sends with one
+# key in a batch the first wins.  One row back per send, in order: whether it
+# was inserted, and the holder of its key (itself when inserted; a send of
+# this batch; else the row that held it, read from this statement's
+# snapshot).  A holder that committed after that snapshot (the insert waited
+# for it) reads as NULL: see unique_holders.
+def _enqueue_unique(*, relaxed: bool) -> str:
+    return f"""
+        WITH m AS MATERIALIZED (
+            SELECT * FROM unnest(%b::uuid[], %b::text[], %b::text[], %b::int[], %b::bigint[], %b::bytea[],
+                                 %b::text[], %b::text[])
+                   WITH ORDINALITY AS m(id, queue, actor, priority, delay_ms, payload, key, until, n)
+        ), ins AS (
+            INSERT INTO {{schema}}.message
+                (message_id, queue_name, actor_name, priority, available_at, payload, unique_key, unique_until)
+            SELECT m.id, m.queue, m.actor, m.priority,
+                   now() + m.delay_ms * interval '1 millisecond', m.payload, m.key, m.until
+              FROM m{_RELAXED if relaxed else ""}
+             ORDER BY m.n
+            ON CONFLICT DO NOTHING
+            RETURNING message_id, actor_name, unique_key, queue_name, available_at
+        ), {_RING}
+        SELECT i.message_id IS NOT NULL AS inserted,
+               coalesce(i.message_id, b.message_id, h.message_id) AS holder,
+               (SELECT count(*) FROM rung) AS rung
+          FROM m
+          LEFT JOIN ins AS i ON i.message_id = m.id
+          LEFT JOIN ins AS b ON b.actor_name = m.actor AND b.unique_key = m.key
+          LEFT JOIN LATERAL (
+                SELECT u.message_id FROM {{schema}}.message AS u
+                 WHERE i.message_id IS NULL AND b.message_id IS NULL
+                   AND u.actor_name = m.actor AND u.unique_key = m.key AND {_HELD}
+               ) AS h ON true
+         ORDER BY m.n
     """
 
 
@@ -421,6 +519,19 @@ _TEMPLATES.update(
         "enqueue_relaxed": _enqueue("many", relaxed=True),
         "enqueue_one": _enqueue("one", relaxed=False),
         "enqueue_one_relaxed": _enqueue("one", relaxed=True),
+        "enqueue_unique": _enqueue_unique(relaxed=False),
+        "enqueue_unique_relaxed": _enqueue_unique(relaxed=True),
+        # Sends with a key that were not inserted and whose holder enqueue_unique
+        # could not see, read again with a fresh snapshot: the holder now, if
+        # any, and whether a row with the send's own id exists (a send under an
+        # existing id).  Neither: the key was freed meanwhile; send again.
+        "unique_holders": f"""
+            SELECT (SELECT u.message_id FROM {{schema}}.message AS u
+                     WHERE u.actor_name = k.actor AND u.unique_key = k.key AND {_HELD}),
+                   EXISTS (SELECT FROM {{schema}}.message AS s WHERE s.message_id = k.id)
+              FROM unnest(%s::uuid[], %s::text[], %s::text[]) WITH ORDINALITY AS k(id, actor, key, n)
+             ORDER BY k.n
+        """,
     }
 )
 
@@ -636,7 +747,8 @@ _TEMPLATES.update(
                                      AS o(id, attempt, state, payload))
             UPDATE {{schema}}.message AS m
                SET state = 'queued', payload = o.payload, available_at = now(), finished_at = NULL,
-                   lease_expires_at = NULL, consumer_id = NULL
+                   lease_expires_at = NULL, consumer_id = NULL,
+                   {_retake("m", finished_too=True)}
               FROM o
              WHERE {_BY_IDS} AND m.message_id = o.id AND m.attempt = o.attempt AND m.state = o.state
                AND m.state IN ('dead', 'cancelled')
@@ -645,7 +757,8 @@ _TEMPLATES.update(
         "inspect_history": """
             SELECT message_id, queue_name, actor_name, priority, 'done' AS state, attempt, enqueued_at,
                    NULL::timestamptz AS available_at, NULL::timestamptz AS lease_expires_at, consumer_id,
-                   finished_at, last_error, NULL::int AS lost_deliveries, claimed_at, payload
+                   finished_at, last_error, NULL::int AS lost_deliveries, claimed_at,
+                   NULL::text AS unique_key, NULL::text AS unique_until, payload
               FROM {schema}.history WHERE message_id = %s
              ORDER BY finished_at DESC
         """,
@@ -1017,6 +1130,9 @@ class Statements:
     enqueue_relaxed: bytes
     enqueue_one: bytes
     enqueue_one_relaxed: bytes
+    enqueue_unique: bytes
+    enqueue_unique_relaxed: bytes
+    unique_holders: bytes
     overview: bytes
     no_jit: bytes
     pause: bytes

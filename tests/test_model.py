@@ -5,7 +5,7 @@ consumer of the same queue.  Hypothesis interleaves at random: sends, re-sends
 of an id, claims, acks (with a follow-up message tied to them), nacks, retries,
 late writes from stale deliveries, lease expiry and rescue, cancels, and writes
 whose connection breaks at commit.  After every step the database is checked
-against a reference model:
+against a reference model (sends with a unique key included, issue 12):
 
 - each message is where the model says (queued, running, dead, cancelled, or
   finished and gone), at the attempt the model says;
@@ -13,7 +13,9 @@ against a reference model:
 - a follow-up message exists exactly for the acks that applied: no effect of a
   fenced-out delivery;
 - nothing is stranded: every running row is held by the delivery the model
-  calls current.
+  calls current;
+- each row carries the unique key the model says, and a send with a held key
+  returned the holder's id.
 
 Bounded for CI (``DRAMATIQ_PG_MODEL_EXAMPLES``, default 12 examples of up to 40
 steps); ``DRAMATIQ_PG_MODEL_EXAMPLES=300 python -m pytest tests/test_model.py``
@@ -49,6 +51,8 @@ class Row:
     attempt: int
     current: PostgresMessageProxy | None = None  # the delivery that holds it, when running
     lost: int = 0  # deliveries that ended without an outcome (max_deliveries counts them)
+    key: str | None = None  # its unique_key column
+    until: str | None = None  # "started" or "finished" with a key
 
 
 @dataclass
@@ -107,6 +111,45 @@ class FenceModel(RuleBasedStateMachine):
         if message_id not in self.world.rows:
             self.world.rows[message_id] = Row("queued", 0)
 
+    @rule(key=st.sampled_from(["k1", "k2"]), until=st.sampled_from(["started", "finished"]))
+    def send_unique(self, key: str, until: str) -> None:
+        """A send with a key: not inserted while a row holds it (queued; running if 'finished')."""
+        m = dramatiq.Message(
+            queue_name=QUEUE,
+            actor_name="nobody",
+            args=(),
+            kwargs={},
+            options={"unique_key": key, "unique_until": until},
+        )
+        holders = [
+            mid
+            for mid, row in self.world.rows.items()
+            if row.key == key and (row.state == "queued" or (row.state == "running" and row.until == "finished"))
+        ]
+        sent = self.brokers[2].enqueue(m)
+        if holders:
+            assert sent.message_id == holders[0], "a send with a held key gets the holder's id"
+            return
+        assert sent.message_id == m.message_id
+        self.world.rows[m.message_id] = Row("queued", 0, key=key, until=until)
+        self.ids.append(m.message_id)
+
+    def _back_to_queue(self, ids: list[str]) -> None:
+        """The key each of these running rows keeps as one statement moves them back (sql.py, _retake):
+        a 'started' row's only if no other row with the key is queued or running, as read before."""
+        keys = {
+            mid: None
+            if any(
+                other != mid and o.key == row.key and o.state in ("queued", "running")
+                for other, o in self.world.rows.items()
+            )
+            else row.key
+            for mid in ids
+            if (row := self.world.rows[mid]).key is not None and row.until == "started"
+        }
+        for mid, key in keys.items():
+            self.world.rows[mid].key = key
+
     # -- consumers ---------------------------------------------------------------------------
     @rule(target=deliveries, which=st.integers(min_value=0, max_value=2))
     def claim(self, which: int) -> Any:
@@ -133,6 +176,7 @@ class FenceModel(RuleBasedStateMachine):
             "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE message_id = %s",
             [held.proxy.message_id],
         )
+        self._back_to_queue([held.proxy.message_id])
         self.brokers[2].parts.maintenance.rescue()
         row.lost += 1
         row.state = "dead" if row.lost >= DEFAULT_MAX_DELIVERIES else "queued"
@@ -175,6 +219,7 @@ class FenceModel(RuleBasedStateMachine):
         elif kind == "nack":
             row.state, row.current = "dead", None
         else:
+            self._back_to_queue([proxy.message_id])
             row.state, row.current = "queued", None
 
     @rule(held=consumes(deliveries))
@@ -218,6 +263,7 @@ class FenceModel(RuleBasedStateMachine):
     def expire_and_rescue(self) -> None:
         """Every lease lapses (the holders paused): rows go back to the queue, their deliveries go stale."""
         query(self.brokers[0], "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE state = 'running'")
+        self._back_to_queue([mid for mid, row in self.world.rows.items() if row.state == "running"])
         self.brokers[2].parts.maintenance.rescue()
         for row in self.world.rows.values():
             if row.state == "running":
@@ -246,12 +292,14 @@ class FenceModel(RuleBasedStateMachine):
         if not hasattr(self, "world"):
             return
         found = {
-            str(mid): (state, attempt)
-            for mid, state, attempt in query(
-                self.brokers[0], "SELECT message_id, state, attempt FROM {schema}.message WHERE queue_name = %s", [QUEUE]
+            str(mid): (state, attempt, key)
+            for mid, state, attempt, key in query(
+                self.brokers[0],
+                "SELECT message_id, state, attempt, unique_key FROM {schema}.message WHERE queue_name = %s",
+                [QUEUE],
             )
         }
-        expected = {mid: (row.state, row.attempt) for mid, row in self.world.rows.items()}
+        expected = {mid: (row.state, row.attempt, row.key) for mid, row in self.world.rows.items()}
         assert found == expected
 
     @invariant()
