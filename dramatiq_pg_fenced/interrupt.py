@@ -14,7 +14,7 @@ How the process hears of it, first to last:
 - the ``!interrupt <message id> <delivery>`` notification the ``cancel``
   statement sends with ``!cancel <message id>`` (the doorbell's listener thread
   calls :meth:`Interrupter.cancelled`);
-- without LISTEN (``listen=False``, PgBouncer), the :class:`CancelWatch` reads
+- without LISTEN (``listen=False``, PgBouncer), the :class:`~.leases.CancelWatch` reads
   the rows of the interruptible deliveries running here every
   ``poll_interval``, only while one runs;
 - a notification lost while the LISTEN connection was down: the lease keeper,
@@ -59,18 +59,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dramatiq.middleware.threading import Interrupt, current_platform, raise_thread_exception
 
 from . import delivery as running_delivery
-from .fencing import State
-from .periodic import Periodic
-
-if TYPE_CHECKING:  # database.py shields its calls with this module's shielded()
-    from .config import Settings
-    from .database import Database
-    from .sql import Statements
 
 
 class MessageCancelled(Interrupt):
@@ -285,36 +278,3 @@ def with_throws(throws: Any) -> tuple[type[BaseException], ...]:
     else:
         existing = (throws,)
     return existing if MessageCancelled in existing else (*existing, MessageCancelled)
-
-
-class CancelWatch(Periodic):
-    """Without LISTEN: reads the rows of the interruptible deliveries running here every ``poll_interval``."""
-
-    name = "dramatiq-pg-cancel-watch"
-    what = "Cancel watch"
-
-    def __init__(
-        self,
-        interrupter: Interrupter,
-        database: Database,
-        statements: Statements,
-        settings: Settings,
-        logger: logging.Logger,
-    ) -> None:
-        super().__init__(settings.poll_interval, logger)
-        self.interrupter = interrupter
-        self.database = database
-        self.statements = statements
-
-    def tick(self) -> None:
-        self.check()
-
-    def check(self) -> int:
-        """Interrupt every running interruptible delivery whose row was cancelled; returns how many."""
-        running = self.interrupter.running()
-        if not running:
-            return 0
-        params = [list(running.values()), list(running)]
-        rows = self.database.run(lambda conn: conn.execute(self.statements.delivery_states, params).fetchall())
-        cancelled = [(str(mid), str(token)) for mid, token, state in rows if state == State.CANCELLED.value]
-        return sum(self.interrupter.cancelled(mid, token) for mid, token in cancelled)

@@ -26,6 +26,7 @@ from .config import Settings
 from .database import Database
 from .delivery import PostgresMessageProxy
 from .fencing import State
+from .interrupt import Interrupter
 from .periodic import Periodic
 from .sql import Statements
 
@@ -307,3 +308,36 @@ class LeaseKeeper(Periodic):
                 held[message_id].attempt,
             )
         return lost
+
+
+class CancelWatch(Periodic):
+    """Without LISTEN: reads the rows of the interruptible deliveries running here every ``poll_interval``."""
+
+    name = "dramatiq-pg-cancel-watch"
+    what = "Cancel watch"
+
+    def __init__(
+        self,
+        interrupter: Interrupter,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        logger: logging.Logger,
+    ) -> None:
+        super().__init__(settings.poll_interval, logger)
+        self.interrupter = interrupter
+        self.database = database
+        self.statements = statements
+
+    def tick(self) -> None:
+        self.check()
+
+    def check(self) -> int:
+        """Interrupt every running interruptible delivery whose row was cancelled; returns how many."""
+        running = self.interrupter.running()
+        if not running:
+            return 0
+        params = [list(running.values()), list(running)]
+        rows = self.database.run(lambda conn: conn.execute(self.statements.delivery_states, params).fetchall())
+        cancelled = [(str(mid), str(token)) for mid, token, state in rows if state == State.CANCELLED.value]
+        return sum(self.interrupter.cancelled(mid, token) for mid, token in cancelled)

@@ -22,8 +22,8 @@ from .consumer import LookBack, LostClaims
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .fencing import StaleWrites, Write
-from .interrupt import CancelWatch, Interrupter
-from .leases import LeaseKeeper, Leases, StartGate
+from .interrupt import Interrupter
+from .leases import CancelWatch, LeaseKeeper, Leases, StartGate
 from .maintenance import Maintenance
 from .outcomes import OutcomeWriter
 from .schedules import Scheduler, Schedules
