@@ -128,15 +128,15 @@ class Floor:
 
     def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
         self.priority = priority
-        self.look_back = look_back
+        self.look_back = look_back if look_back is not None else LookBack()  # alone: nobody asks
         self.queue_name = queue_name
         self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
         self._head_due = 0.0  # monotonic
-        self._back_seen = look_back.count(queue_name) if look_back is not None else 0
+        self._back_seen = self.look_back.count(queue_name)
 
     def start(self) -> tuple[int, Any, int]:
         """Where the next claim starts; ``HEAD`` when it must look back."""
-        back = self.look_back.count(self.queue_name) if self.look_back is not None else 0
+        back = self.look_back.count(self.queue_name)
         if back != self._back_seen:
             self._back_seen = back
             self.at = None
