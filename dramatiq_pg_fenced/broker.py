@@ -46,7 +46,7 @@ from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
 from .doorbell import look_back
-from .enqueue import Enqueuer
+from .enqueue import CHUNK, Enqueuer
 from .errors import DeadLetterError
 from .fencing import Write
 from .hooks import SkipNoopHooks
@@ -383,17 +383,17 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         return outcome.kind is Write.RETRY
 
     def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
-        """Store many messages in one round trip and one commit.
+        """Store many messages in one transaction: one statement, or pipelined
+        chunks of ``enqueue.CHUNK`` (the next encoded while the server inserts
+        this one), and one commit.
 
         Returns the messages; one whose unique key another message holds (or
         an earlier one of this call) comes back as a copy with the holder's id.
         """
         messages = list(messages)
-        for message in messages:
-            self.emit_before("enqueue", message, delay)
+        self.emit_for_each("before_enqueue", messages, delay)
         ids = self._insert([(m, delay) for m in messages])
-        for message in messages:
-            self.emit_after("enqueue", message, delay)
+        self.emit_for_each("after_enqueue", messages, delay)
         if ids is None:
             return messages
         return [
@@ -444,19 +444,22 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         """Write *items*; ``None``, or with unique keys the id each send stands for (see Enqueuer.write)."""
         if not items:
             return None
-        rows = [self.enqueuer.row(message, delay) for message, delay in items]
         caller_conn = getattr(self._local, "conn", None)
-        if caller_conn is not None:
-            if self.listen:
-                # The rows carry the caller's transaction's start as their place in line, and appear
-                # only at its commit: consumers must look back at the head for them (consumer.Floor).
-                # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
-                queues = sorted({r[1] for r in rows})
-                caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
-            return self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
-        # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
-        # One statement, so autocommit makes it one round trip and one commit.
-        return self.database.run(lambda conn: self.enqueuer.write(conn, rows))
+        if caller_conn is None and len(items) > CHUNK:
+            # Encoded chunk by chunk while the server inserts the previous one, in one transaction.
+            return self.database.run(lambda conn: self.enqueuer.write_messages(conn, items))
+        rows = [self.enqueuer.row(message, delay) for message, delay in items]
+        if caller_conn is None:
+            # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
+            # One statement, so autocommit makes it one round trip and one commit.
+            return self.database.run(lambda conn: self.enqueuer.write(conn, rows))
+        if self.listen:
+            # The rows carry the caller's transaction's start as their place in line, and appear
+            # only at its commit: consumers must look back at the head for them (consumer.Floor).
+            # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
+            queues = sorted({r[1] for r in rows})
+            caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
+        return self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of the queue, dead letters included."""

@@ -18,6 +18,7 @@ from itertools import islice
 from typing import Any
 
 import psycopg
+from dramatiq import get_encoder
 from dramatiq.common import current_millis
 from dramatiq.message import Message
 
@@ -27,9 +28,28 @@ from .errors import PayloadTooLarge
 from .sql import Statements, check_queue
 from .unique import key_of
 
+#: Rows per statement when many messages are written at once: the client
+#: encodes the next chunk while the server inserts this one (see write_messages).
+CHUNK = 500
+
 #: How often a send with a key is tried again when its key was freed between
 #: the insert that found it held and the read of its holder.
 UNIQUE_TRIES = 5
+
+
+#: The field names of each Message class, in order (``Message.asdict`` reads them anew each time).
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def encode(message: Message) -> bytes:
+    """``message.encode()``, without looking up the dataclass fields on every message (bulk enqueue feels it)."""
+    cls = type(message)
+    if cls.encode is not Message.encode or cls.asdict is not Message.asdict:
+        return message.encode()  # a subclass that encodes its own way
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(field.name for field in dataclasses.fields(cls))
+    return get_encoder().encode({name: getattr(message, name) for name in names})
 
 
 class Enqueuer:
@@ -57,7 +77,7 @@ class Enqueuer:
         if "attempt" in message.options:
             message = message.copy()
             message.options.pop("attempt", None)
-        data = message.encode()
+        data = encode(message)
         if len(data) > self.max_payload_bytes:
             raise PayloadTooLarge(
                 f"message {message.message_id} for actor {message.actor_name!r} encodes to {len(data)} bytes, "
@@ -93,6 +113,33 @@ class Enqueuer:
             until,
         )
 
+    def write_messages(self, conn: psycopg.Connection, items: list[tuple[Message, int | None]]) -> list[str] | None:
+        """Encode and insert more than :data:`CHUNK` *items* as :meth:`write` does, in one transaction.
+
+        They go :data:`CHUNK` at a time in pipeline mode: the server inserts
+        one chunk while this thread encodes the next, and one commit ends them
+        all, so nothing is written if any message cannot be encoded.
+        """
+        if len(items) <= CHUNK or not psycopg.Pipeline.is_supported():
+            return self.write(conn, [self.row(message, delay) for message, delay in items])
+        ids: list[str] = []
+        keyed = False
+        pending: list[tuple[list[Row], psycopg.Cursor[Any]]] = []
+        with conn.pipeline(), conn.transaction():
+            for start in range(0, len(items), CHUNK):
+                rows = [self.row(message, delay) for message, delay in items[start : start + CHUNK]]
+                if any(row[6] is not None for row in rows):
+                    ids.extend(self.write_unique(conn, rows))  # reads its holders back: not pipelined
+                    keyed = True
+                else:
+                    pending.append((rows, conn.execute(*self._statement(rows))))
+                    ids.extend(row[0] for row in rows)
+        for rows, cursor in pending:
+            inserted = cursor.fetchone()
+            if inserted is not None and inserted[0] < len(rows):
+                self._not_inserted(rows, len(rows) - inserted[0])
+        return ids if keyed else None
+
     def write(self, conn: psycopg.Connection, rows: list[Row]) -> list[str] | None:
         """Insert *rows* in one statement (idempotent by id: safe to run again).
 
@@ -102,18 +149,20 @@ class Enqueuer:
         """
         if any(row[6] is not None for row in rows):
             return self.write_unique(conn, rows)
+        inserted = conn.execute(*self._statement(rows)).fetchone()
+        if inserted is not None and inserted[0] < len(rows):
+            self._not_inserted(rows, len(rows) - inserted[0])
+        return None
+
+    def _statement(self, rows: list[Row]) -> tuple[bytes, list[Any]]:
+        """The enqueue statement for *rows* without unique keys, and its parameters."""
         relaxed = not self.synchronous_commit
         channel, listen = self.settings.channel, self.settings.listen
         if len(rows) == 1:  # a plain send(): one row of scalars is cheaper than unnest
             statement = self.statements.enqueue_one_relaxed if relaxed else self.statements.enqueue_one
-            params: list[Any] = [*rows[0][:6], channel, listen]
-        else:
-            statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
-            params = [*map(list, islice(zip(*rows, strict=True), 6)), channel, listen]
-        inserted = conn.execute(statement, params).fetchone()
-        if inserted is not None and inserted[0] < len(rows):
-            self._not_inserted(rows, len(rows) - inserted[0])
-        return None
+            return statement, [*rows[0][:6], channel, listen]
+        statement = self.statements.enqueue_relaxed if relaxed else self.statements.enqueue
+        return statement, [*map(list, islice(zip(*rows, strict=True), 6)), channel, listen]
 
     def write_unique(self, conn: psycopg.Connection, rows: list[Row], *, tries: int = UNIQUE_TRIES) -> list[str]:
         """Insert *rows*, some with a unique key; per row, the id it stands for (see :meth:`write`).

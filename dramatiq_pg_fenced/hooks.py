@@ -41,6 +41,15 @@ class SkipNoopHooks:
             except Exception:
                 self.logger.critical("Unexpected failure in %s of %r.", name, middleware, exc_info=True)
 
+    def emit_for_each(self, signal: str, items: list[Any], *args: Any) -> None:
+        """``emit_before`` (``signal`` = ``"before_..."``) or ``emit_after`` with each of *items*, in
+        turn, the hooks looked up once (bulk enqueue)."""
+        when, _, rest = signal.partition("_")
+        emit = self.emit_before if when == "before" else self.emit_after
+        if self._hooks(signal):
+            for item in items:
+                emit(rest, item, *args)
+
     def _hooks(self, name: str) -> list[Hook]:
         """The (middleware, bound hook) pairs that do something, in call order; rebuilt when the middleware change."""
         key = tuple(map(id, self.middleware))

@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
+from dramatiq_pg_fenced.enqueue import CHUNK
 
 
 # -- helpers ------------------------------------------------------------------
@@ -181,6 +182,89 @@ def test_enqueue_many_rings_once_per_queue(
 
     c.send(5)
     assert bell.drain() == ["gamma"]
+
+
+# -- enqueue_many in pipelined chunks (more than enqueue.CHUNK messages) ---------------
+MANY = 2 * CHUNK + 234  # three chunks, the last one short
+
+
+def xmins(broker: PostgresBroker) -> int:
+    """How many transactions wrote the stored rows."""
+    [(n,)] = query(broker, "SELECT count(DISTINCT xmin::text) FROM {schema}.message")
+    return int(n)
+
+
+def test_enqueue_many_in_chunks_stores_all_in_order_in_one_transaction(
+    broker: PostgresBroker, listener: Callable[[PostgresBroker], Listener]
+) -> None:
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+
+    @dramatiq.actor(queue_name="alpha")
+    def work(n: int) -> None:
+        pass
+
+    bell = listener(broker)
+    messages = [work.message(n) for n in range(MANY)]
+    assert broker.enqueue_many(messages) == messages
+    ids = [m.message_id for m in messages]
+    assert stored(broker) == ids
+    assert xmins(broker) == 1  # one commit for every chunk
+    assert recorder.before == ids and recorder.after == ids
+    assert bell.drain() == ["alpha"]  # one ring per queue, whatever the number of chunks
+    [(payloads,)] = query(broker, "SELECT array_agg(payload ORDER BY seq) FROM {schema}.message")
+    assert [dramatiq.Message.decode(bytes(p)).args for p in payloads] == [(n,) for n in range(MANY)]
+
+
+def test_enqueue_many_in_chunks_is_all_or_nothing(dramatiq_pg_broker_factory: Factory) -> None:
+    """The message that cannot be encoded is in the last chunk: the chunks before it were sent, not committed."""
+    broker = dramatiq_pg_broker_factory(max_payload_bytes=2000)
+    recorder = Recorder()
+    broker.add_middleware(recorder)
+
+    @dramatiq.actor(broker=broker)
+    def work(data: str) -> None:
+        pass
+
+    messages = [work.message("x") for _ in range(MANY)]
+    messages[-2] = work.message("y" * 5000)
+    with pytest.raises(PayloadTooLarge):
+        broker.enqueue_many(messages)
+    assert stored(broker) == []
+    assert recorder.after == []
+    broker.enqueue_many(messages[:-2])  # the connection is usable again
+    assert len(stored(broker)) == MANY - 2
+
+
+def test_enqueue_many_in_chunks_counts_the_ids_stored_already(broker: PostgresBroker) -> None:
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    messages = [work.message(n) for n in range(MANY)]
+    broker.enqueue_many(messages[CHUNK - 50 : CHUNK + 50])  # straddles two chunks of the next call
+    broker.enqueue_many(messages)
+    assert sorted(stored(broker)) == sorted(m.message_id for m in messages)
+    assert broker.stats()["process"]["duplicate_sends"] == 100
+
+
+def test_enqueue_many_in_chunks_deduplicates_unique_keys_across_chunks(broker: PostgresBroker) -> None:
+    @dramatiq.actor
+    def job(n: int) -> None:
+        pass
+
+    held = job.send_with_options(args=(-1,), unique_key="held")
+    messages = [job.message(n) for n in range(MANY)]
+    messages[10] = job.message_with_options(args=(10,), unique_key="k")  # first chunk
+    messages[MANY - 5] = job.message_with_options(args=(MANY - 5,), unique_key="k")  # last chunk: deduplicated
+    messages[CHUNK + 1] = job.message_with_options(args=(CHUNK + 1,), unique_key="held")  # held in the table
+    sent = broker.enqueue_many(messages)
+    expected = [m.message_id for m in messages]
+    expected[MANY - 5] = messages[10].message_id
+    expected[CHUNK + 1] = held.message_id
+    assert [m.message_id for m in sent] == expected
+    assert len(stored(broker)) == MANY - 2 + 1
+    assert broker.stats()["process"]["duplicate_sends"] == 0
 
 
 def test_no_notify_without_listen(

@@ -29,7 +29,8 @@ from helpers import wait_for
 from pgbouncer import TRACKED_PARAMETERS, PgBouncer
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, rate_limits, results
+from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker, rate_limits, results
+from dramatiq_pg_fenced.enqueue import CHUNK
 
 APP = "tests.apps.pgbouncer_app"
 
@@ -156,6 +157,27 @@ def with_worker(broker: PostgresBroker, until: Callable[[], bool], timeout: floa
         wait_for(until, timeout=timeout, what="the worker")
     finally:
         worker.stop()
+
+
+def test_bulk_enqueue_in_pipelined_chunks_through_pgbouncer(pgbouncer, dramatiq_pg_url, schema, closing):
+    """More than ``enqueue.CHUNK`` messages go in pipeline mode, in one transaction: PgBouncer keeps it on one
+    server connection, and a failed one leaves nothing behind."""
+    migrate_direct(dramatiq_pg_url, schema)
+    broker = closing(PostgresBroker(pgbouncer.url(), schema=schema, listen=False, max_payload_bytes=2000))
+    broker.declare_queue("default")
+    for _ in range(3):
+        broker.enqueue_many([message("plain", "default", i) for i in range(CHUNK * 2 + 7)])
+    bad = [message("plain", "default", i) for i in range(CHUNK * 2 + 7)]
+    bad[-1] = message("plain", "default", "y" * 5000)
+    with pytest.raises(PayloadTooLarge):
+        broker.enqueue_many(bad)
+    assert broker.stats()["queues"] == {"default": {"queued": 3 * (CHUNK * 2 + 7)}}
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        [(writers,)] = conn.execute(
+            sql.SQL("SELECT count(DISTINCT xmin::text) FROM {}.message").format(sql.Identifier(schema))
+        )
+    assert writers == 3  # one transaction per call
+    assert assert_clean(pgbouncer, pgbouncer.admin_user) >= 1
 
 
 def test_results_and_rate_limit_backends_with_pools_of_their_own(pgbouncer, dramatiq_pg_url, schema, closing):
