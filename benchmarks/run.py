@@ -29,6 +29,14 @@ drain
 idle latency
     With the workers idle, ``stamp.send(time.time())`` at a low steady
     rate; the actor appends ``sent received`` to a file as its first step.
+floors
+    What this machine allows at best, beside the brokers in the same run:
+    a durable one-row INSERT into a one-column table in a loop (no durable
+    send can be cheaper) and paced like the idle-latency sends (no durable
+    send adds less to the idle latency), and the time to import Dramatiq with
+    psycopg against Dramatiq with pika or redis (no worker starts sooner).
+    The targets table shows, beside each such target, the best ratio these
+    floors leave.
 big backlog (ours)
     The same drain with a 10k and a 200k backlog, worker RSS (peak per
     process) and connections per process (``pg_stat_activity`` by
@@ -613,6 +621,62 @@ def relaxed_single(url: str, options: dict[str, Any], plan: Plan, tmp: Path) -> 
         driver.shutdown()
 
 
+IMPORTS = {
+    "postgres": "dramatiq, psycopg, psycopg_pool",  # what any psycopg-based broker must import
+    "ours": "dramatiq_pg_fenced",
+    "rabbitmq": "dramatiq, dramatiq.brokers.rabbitmq",
+    "redis": "dramatiq, dramatiq.brokers.redis",
+}
+
+
+def import_seconds(modules: str, runs: int = 5) -> float:
+    """Median time a fresh interpreter takes to import *modules* (this checkout's package first on the path)."""
+    code = f"import time; t = time.perf_counter(); import {modules}; print(time.perf_counter() - t)"
+    times = [
+        float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+        for _ in range(runs)
+    ]
+    return statistics.median(times)
+
+
+def floors(url: str, plan: Plan) -> dict[str, Any]:
+    """What this machine allows at best, measured in the same run as the brokers.
+
+    A durable send cannot be cheaper than a durable one-row INSERT into a
+    one-column table: the same round trip and WAL flush, no index, no
+    NOTIFY.  Paced like the idle-latency sends, the same INSERT is the least
+    any durable send can add to the idle latency.  And a worker cannot start
+    before it has imported Dramatiq and psycopg.
+    """
+    schema = f"bench_floor_{uuid.uuid4().hex[:8]}"
+    table = sql.SQL("{}.t").format(sql.Identifier(schema))
+    insert = sql.SQL("INSERT INTO {} VALUES (1)").format(table)
+    with psycopg.connect(apps.pg_url(url, "bench-floor"), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        try:
+            conn.execute(sql.SQL("CREATE TABLE {} (x int)").format(table))
+            conn.execute(insert)
+            count, start = 0, time.perf_counter()
+            while count < plan.single_max and time.perf_counter() - start < plan.single_seconds:
+                conn.execute(insert)
+                count += 1
+            rate = count / (time.perf_counter() - start)
+            time.sleep(1.0)
+            paced = []
+            for _ in range(min(plan.latency_count, 100)):
+                time.sleep(1 / plan.latency_rate)
+                t = time.perf_counter()
+                conn.execute(insert)
+                paced.append((time.perf_counter() - t) * 1000)
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+    return {
+        "durable_insert_per_s": rate,
+        "durable_insert_paced_p50_ms": percentile(sorted(paced), 50),
+        "import_s": {name: import_seconds(modules) for name, modules in IMPORTS.items()},
+    }
+
+
 def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str, Any]) -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for _, n in [(r, n) for r in range(plan.backlog_repeats) for n in (plan.small, plan.big)]:
@@ -680,10 +744,20 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     b = out["brokers"]
     rows = []
 
-    def add(name: str, value: float | None, goal: float, unit: str, higher: bool = True) -> None:
+    def add(
+        name: str, value: float | None, goal: float, unit: str, higher: bool = True, bound: float | None = None
+    ) -> None:
         met = None if value is None else (value >= goal if higher else value <= goal)
         rows.append(
-            {"target": name, "value": value, "goal": goal, "unit": unit, "higher_is_better": higher, "met": met}
+            {
+                "target": name,
+                "value": value,
+                "goal": goal,
+                "unit": unit,
+                "higher_is_better": higher,
+                "met": met,
+                "bound": bound,  # the best value this machine allows (see floors()), when known
+            }
         )
 
     def ratio(a: str, c: str, key: str) -> float | None:
@@ -702,12 +776,49 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     # Issue 10's targets are ratios within one run; the absolute bulk rate is an older one.
     add("drain vs RabbitMQ", ratio("postgres", "rabbitmq", "drain_per_s"), 1.5, "x")
     add("drain vs Redis", ratio("postgres", "redis", "drain_per_s"), 2.0, "x")
-    add("single send vs Redis (ours durable)", ratio("postgres", "redis", "single_send_per_s"), 0.6, "x")
+    floor = out.get("floors") or {}
+    imports = floor.get("import_s", {})
+
+    def over(value: float | None, kind: str, key: str) -> float | None:
+        theirs = b.get(kind, {}).get(key)
+        return None if value is None or not theirs else float(value / theirs)
+
+    def theirs_latency(key: str) -> float | None:
+        return latency("rabbitmq", key)
+
+    add(
+        "single send vs Redis (ours durable)",
+        ratio("postgres", "redis", "single_send_per_s"),
+        0.6,
+        "x",
+        bound=over(floor.get("durable_insert_per_s"), "redis", "single_send_per_s"),
+    )
     add("bulk enqueue vs Redis pipeline", ratio("postgres", "redis", "bulk_enqueue_per_s"), 2.0, "x")
     add("bulk enqueue", b.get("postgres", {}).get("bulk_enqueue_per_s"), 50_000, "msg/s")
-    add("idle latency p50 vs RabbitMQ", latency_ratio("p50_ms"), 1.0, "x", higher=False)
+    rabbit_p50 = theirs_latency("p50_ms")
+    paced = floor.get("durable_insert_paced_p50_ms")
+    add(
+        "idle latency p50 vs RabbitMQ",
+        latency_ratio("p50_ms"),
+        1.0,
+        "x",
+        higher=False,
+        bound=None if paced is None or not rabbit_p50 else paced / rabbit_p50,
+    )
     add("idle latency p99 vs RabbitMQ", latency_ratio("p99_ms"), 2.0, "x", higher=False)
-    add("worker start-up vs RabbitMQ", ratio("postgres", "rabbitmq", "worker_startup_s"), 1.0, "x", higher=False)
+    rabbit_startup = b.get("rabbitmq", {}).get("worker_startup_s")
+    startup_bound = None
+    if rabbit_startup and "postgres" in imports and "rabbitmq" in imports:
+        # RabbitMQ's start-up with its imports swapped for the least a psycopg-based broker imports.
+        startup_bound = (rabbit_startup - imports["rabbitmq"] + imports["postgres"]) / rabbit_startup
+    add(
+        "worker start-up vs RabbitMQ",
+        ratio("postgres", "rabbitmq", "worker_startup_s"),
+        1.0,
+        "x",
+        higher=False,
+        bound=startup_bound,
+    )
     backlog = out.get("backlog")
     if backlog:
         small, big = backlog[str(plan.small)], backlog[str(plan.big)]
@@ -790,14 +901,26 @@ def table(out: dict[str, Any]) -> str:
                 f"| {f['size_after_vacuum_bytes'] / 2**20:.2f} MB "
                 f"| {f.get('size_after_compact_bytes', 0) / 2**20:.2f} MB |"
             )
-    lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+    floor = out.get("floors")
+    if floor:
+        lines += [
+            "",
+            "| floor on this machine (same run) | |",
+            "|---|---|",
+            f"| durable one-row INSERT, one-column table, in a loop | {fmt(floor['durable_insert_per_s'])} /s |",
+            f"| the same INSERT paced like the idle-latency sends, p50 | {floor['durable_insert_paced_p50_ms']:.2f} ms |",
+        ]
+        for name, seconds in floor["import_s"].items():
+            lines.append(f"| import {IMPORTS[name]} | {seconds:.3f} s |")
+    lines += ["", "| target | measured | goal | met | best this machine allows |", "|---|---|---|---|---|"]
     for t in out["targets"]:
         value = "-" if t["value"] is None else (f"{t['value']:,.2f}" if t["unit"] != "msg/s" else f"{t['value']:,.0f}")
         goal = ("<= " if not t["higher_is_better"] else ">= ") + (
             f"{t['goal']:,}" if t["unit"] == "msg/s" else f"{t['goal']}"
         )
         met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
-        lines.append(f"| {t['target']} | {value} {t['unit']} | {goal} {t['unit']} | {met} |")
+        bound = "-" if t.get("bound") is None else f"{t['bound']:.2f} {t['unit']}"
+        lines.append(f"| {t['target']} | {value} {t['unit']} | {goal} {t['unit']} | {met} | {bound} |")
     return "\n".join(lines)
 
 
@@ -972,6 +1095,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(
                     f"postgres single send, synchronous_commit=False: {out['brokers']['postgres']['single_send_relaxed_per_s']:.0f}/s"
                 )
+                out["floors"] = floors(args.pg_url, plan)
+                log(f"floors: {out['floors']}")
                 if not args.no_backlog:
                     backlog_scaling(pg, plan, tmp, out)
         except BaseException:
