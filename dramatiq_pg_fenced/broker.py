@@ -389,10 +389,21 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
 
         Returns the messages; one whose unique key another message holds (or
         an earlier one of this call) comes back as a copy with the holder's id.
+        Like :meth:`enqueue`, inside :meth:`with_ack` (or a middleware's
+        ``after_process_message``) the messages wait for the delivery's
+        outcome, and inside :meth:`batch` for the block's end; they are then
+        returned as sent.
         """
         messages = list(messages)
         self.emit_for_each("before_enqueue", messages, delay)
-        ids = self._insert([(m, delay) for m in messages])
+        ids = None
+        if (owner := delivery.deferring()) is not None:
+            owner.follow_ups.extend(self.row(m, delay) for m in messages)  # written with its outcome, if that applies
+        elif (batch := getattr(self._local, "batch", None)) is not None:
+            batch.extend((m, delay) for m in messages)  # written, and emit_after sent, when the block ends
+            return messages
+        else:
+            ids = self._insert([(m, delay) for m in messages])
         self.emit_for_each("after_enqueue", messages, delay)
         if ids is None:
             return messages

@@ -240,6 +240,64 @@ def test_the_actor_body_sends_at_once_or_with_the_ack_when_asked(dramatiq_pg_bro
     assert broker.stats()["queues"] == {}  # and the tied one was sent with the ack, and ran
 
 
+def test_enqueue_many_in_with_ack_waits_for_the_ack_and_is_dropped_with_a_stale_delivery(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """``enqueue_many`` is tied to the ack like ``send()``: none of its messages escape a fenced-out delivery."""
+    import threading
+
+    from helpers import running_worker
+
+    broker = dramatiq_pg_broker_factory(lease_seconds=1)
+    seen: dict[str, Any] = {}
+    go = threading.Event()
+
+    @dramatiq.actor(broker=broker)
+    def child(tag: str, n: int) -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def parent(tag: str) -> None:
+        with broker.with_ack():
+            sent = broker.enqueue_many([child.message(tag, n) for n in range(3)])
+        seen[tag] = [broker.inspect(m.message_id) for m in sent]
+        if tag == "stale":
+            broker.cancel(parent_message["stale"].message_id)  # fenced out before its ack
+            go.set()
+
+    parent_message: dict[str, Any] = {}
+    with running_worker(broker):
+        parent_message["tied"] = parent.send("tied")
+        broker.join("default", timeout=10_000)
+        assert seen["tied"] == [None, None, None]  # not written before the ack ...
+        assert broker.stats()["process"]["dropped_effects"] == 0
+        parent_message["stale"] = parent.send("stale")
+        wait_for(go.is_set, 10, "the stale delivery")
+        broker.join("default", timeout=10_000, fail_fast=False)
+    ran = query(broker, "SELECT count(*) FROM {schema}.message WHERE actor_name = 'child'")
+    assert ran == [(0,)]  # ... and the tied ones ran (acked, gone); the stale delivery's never existed
+    assert seen["stale"] == [None, None, None]
+    assert broker.stats()["process"]["dropped_effects"] >= 3
+
+
+def test_enqueue_many_inside_batch_is_written_at_its_end_or_not_at_all(dramatiq_pg_broker_factory: Factory) -> None:
+    broker = dramatiq_pg_broker_factory()
+
+    @dramatiq.actor(broker=broker)
+    def job(n: int) -> None:
+        pass
+
+    with pytest.raises(RuntimeError), broker.batch():
+        broker.enqueue_many([job.message(n) for n in range(3)])
+        raise RuntimeError("the block fails")
+    assert query(broker, "SELECT count(*) FROM {schema}.message") == [(0,)]
+    with broker.batch():
+        broker.enqueue_many([job.message(n) for n in range(3)])
+        job.send(3)
+        assert query(broker, "SELECT count(*) FROM {schema}.message") == [(0,)]
+    assert query(broker, "SELECT count(*) FROM {schema}.message") == [(4,)]
+
+
 # -- cancel means never starts -------------------------------------------------------------
 @pytest.mark.parametrize("listen", [True, False])
 def test_a_message_cancelled_while_prefetched_never_starts(dramatiq_pg_broker_factory: Factory, listen: bool) -> None:
