@@ -218,7 +218,7 @@ def test_enqueue_many_in_chunks_stores_all_in_order_in_one_transaction(
 
 def test_enqueue_many_in_chunks_is_all_or_nothing(dramatiq_pg_broker_factory: Factory) -> None:
     """The message that cannot be encoded is in the last chunk: the chunks before it were sent, not committed."""
-    broker = dramatiq_pg_broker_factory(max_payload_bytes=2000)
+    broker = dramatiq_pg_broker_factory(max_payload_bytes=2000, pool_max_size=1)  # the failed call's connection
     recorder = Recorder()
     broker.add_middleware(recorder)
 
@@ -232,8 +232,44 @@ def test_enqueue_many_in_chunks_is_all_or_nothing(dramatiq_pg_broker_factory: Fa
         broker.enqueue_many(messages)
     assert stored(broker) == []
     assert recorder.after == []
-    broker.enqueue_many(messages[:-2])  # the connection is usable again
-    assert len(stored(broker)) == MANY - 2
+    work.send("after")  # the connection is usable again, out of pipeline mode and transaction
+    broker.enqueue_many(messages[:-2])
+    assert len(stored(broker)) == MANY - 1
+
+
+def test_enqueue_many_in_chunks_survives_its_connection_dying_between_chunks(
+    broker: PostgresBroker, dramatiq_pg_url: str
+) -> None:
+    """The server ends the connection after the first chunk went in: the call starts again on a
+    fresh one, and every message is stored once, by one transaction."""
+
+    @dramatiq.actor
+    def work(n: int) -> None:
+        pass
+
+    encode = broker.enqueuer.row
+    calls = 0
+
+    def row(message: Any, delay: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == CHUNK + 10:  # encoding the second chunk: the first is on the server, uncommitted
+            with psycopg.connect(dramatiq_pg_url, autocommit=True) as admin:
+                [(killed,)] = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    " AND state IN ('active', 'idle in transaction') AND query ILIKE '%%INSERT INTO%%message%%'"
+                )
+            assert killed == 1
+        return encode(message, delay)
+
+    broker.enqueuer.row = row  # type: ignore[method-assign]
+    messages = [work.message(n) for n in range(MANY)]
+    assert broker.enqueue_many(messages) == messages
+    assert calls > MANY  # encoded again on the fresh connection
+    assert stored(broker) == [m.message_id for m in messages]
+    assert xmins(broker) == 1
+    assert broker.stats()["process"]["duplicate_sends"] == 0
 
 
 def test_enqueue_many_in_chunks_counts_the_ids_stored_already(broker: PostgresBroker) -> None:
