@@ -43,7 +43,7 @@ class SkipNoopHooks:
 
     def emit_for_each(self, signal: str, items: list[Any], *args: Any) -> None:
         """``emit_before`` (``signal`` = ``"before_..."``) or ``emit_after`` with each of *items*, in
-        turn, the hooks looked up once (bulk enqueue)."""
+        turn; nothing per item when no middleware implements the hook (bulk enqueue, usually)."""
         when, _, rest = signal.partition("_")
         emit = self.emit_before if when == "before" else self.emit_after
         if self._hooks(signal):
