@@ -33,8 +33,14 @@ floors
     What this machine allows at best, beside the brokers in the same run:
     a durable one-row INSERT into a one-column table in a loop (no durable
     send can be cheaper) and paced like the idle-latency sends (no durable
-    send adds less to the idle latency), and the time to import Dramatiq with
-    psycopg against Dramatiq with pika or redis (no worker starts sooner).
+    send adds less to the idle latency); a plain INSERT into our message
+    table (the least a broker of rows claimed and acked by id pays per
+    send); paced, that INSERT followed by the row's claim by id from a
+    second session, and the same with a NOTIFY that wakes the claiming
+    thread (the least a durable, fenced delivery woken by LISTEN/NOTIFY
+    takes, before any hand-off to a worker thread); and the time to import
+    Dramatiq with psycopg against Dramatiq with pika or redis (no worker
+    starts sooner).
     The targets table shows, beside each such target, the best ratio these
     floors leave.
 big backlog (ours)
@@ -61,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -651,37 +658,110 @@ def floors(url: str, plan: Plan) -> dict[str, Any]:
 
     A durable send cannot be cheaper than a durable one-row INSERT into a
     one-column table: the same round trip and WAL flush, no index, no
-    NOTIFY.  Paced like the idle-latency sends, the same INSERT is the least
-    any durable send can add to the idle latency.  And a worker cannot start
-    before it has imported Dramatiq and psycopg.
+    NOTIFY.  A broker that keeps messages as rows it can claim and ack by
+    id pays at least a plain INSERT into a table of ours (its primary key
+    and claim index; no ``ON CONFLICT``, no NOTIFY).  Paced like the
+    idle-latency sends, the bare INSERT is the least any durable send can add
+    to the idle latency; and a delivery that is fenced needs, after that
+    durable insert, at least one write by the consumer's own session: here
+    the cheapest there is (the row's state by its primary key, without
+    waiting for the disk), sent the moment the insert returns, with no
+    notification hop and no hand-off to a worker thread.  And a worker cannot
+    start before it has imported Dramatiq and psycopg.
     """
     schema = f"bench_floor_{uuid.uuid4().hex[:8]}"
-    table = sql.SQL("{}.t").format(sql.Identifier(schema))
+    ident = sql.Identifier(schema)
+    table = sql.SQL("{}.t").format(ident)
     insert = sql.SQL("INSERT INTO {} VALUES (1)").format(table)
-    with psycopg.connect(apps.pg_url(url, "bench-floor"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    # Our message table, migrated into the floor's schema: its columns, primary key and indexes.
+    insert_message = sql.SQL(
+        "INSERT INTO {}.message (message_id, queue_name, actor_name, payload) VALUES (%s, 'bench', 'noop', %s)"
+    ).format(ident)
+    claim_by_id = sql.SQL(
+        "UPDATE {}.message SET state = 'running', attempt = attempt + 1 WHERE message_id = %s RETURNING payload"
+    ).format(ident)
+    payload = Message(queue_name=apps.QUEUE, actor_name="noop", args=(), kwargs={}, options={}).encode()
+    migrated = apps.make_broker("postgres", schema=schema, application_name="bench-floor")
+    migrated.migrate()
+    migrated.close()
+    channel = f"{schema}_ring"
+    insert_ringing = sql.SQL("WITH i AS ({} RETURNING 1) SELECT pg_notify(%s, %s::text) FROM i").format(insert_message)
+    with (
+        psycopg.connect(apps.pg_url(url, "bench-floor"), autocommit=True) as conn,
+        psycopg.connect(apps.pg_url(url, "bench-floor-claimer"), autocommit=True) as claimer,
+        psycopg.connect(apps.pg_url(url, "bench-floor-listener"), autocommit=True) as listener,
+    ):
+        claimer.execute("SET synchronous_commit = off")
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         try:
             conn.execute(sql.SQL("CREATE TABLE {} (x int)").format(table))
             conn.execute(insert)
-            count, start = 0, time.perf_counter()
-            while count < plan.single_max and time.perf_counter() - start < plan.single_seconds:
-                conn.execute(insert)
-                count += 1
-            rate = count / (time.perf_counter() - start)
+            rate = _loop_rate(plan, lambda: conn.execute(insert))
+            rate_message = _loop_rate(plan, lambda: conn.execute(insert_message, (uuid.uuid4(), payload)))
             time.sleep(1.0)
-            paced = []
+            paced, delivered, rung = [], [], []
             for _ in range(min(plan.latency_count, 100)):
                 time.sleep(1 / plan.latency_rate)
                 t = time.perf_counter()
                 conn.execute(insert)
                 paced.append((time.perf_counter() - t) * 1000)
+                time.sleep(1 / plan.latency_rate)
+                message_id = uuid.uuid4()
+                t = time.perf_counter()
+                conn.execute(insert_message, (message_id, payload))
+                assert claimer.execute(claim_by_id, (message_id,)).fetchone() is not None
+                delivered.append((time.perf_counter() - t) * 1000)
+                time.sleep(1 / plan.latency_rate)
+                rung.append(_rung_claim(conn, insert_ringing, channel, payload, listener, claimer, claim_by_id))
         finally:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(ident))
     return {
         "durable_insert_per_s": rate,
+        "durable_insert_message_table_per_s": rate_message,
         "durable_insert_paced_p50_ms": percentile(sorted(paced), 50),
+        "insert_then_claim_paced_p50_ms": percentile(sorted(delivered), 50),
+        "insert_notify_claim_paced_p50_ms": percentile(sorted(rung), 50),
         "import_s": {name: import_seconds(modules) for name, modules in IMPORTS.items()},
     }
+
+
+def _rung_claim(
+    conn: psycopg.Connection,
+    insert_ringing: sql.Composable,
+    channel: str,
+    payload: bytes,
+    listener: psycopg.Connection,
+    claimer: psycopg.Connection,
+    claim_by_id: sql.Composable,
+) -> float:
+    """Milliseconds from a durable INSERT that NOTIFYs the row's id to that row claimed by a thread woken by
+    the notification: the least a broker woken by LISTEN/NOTIFY takes, without a hand-off to a worker thread."""
+    done: list[float] = []
+
+    def claim() -> None:
+        for note in listener.notifies(timeout=5.0, stop_after=1):
+            assert claimer.execute(claim_by_id, (note.payload,)).fetchone() is not None
+            done.append(time.perf_counter())
+
+    thread = threading.Thread(target=claim)
+    thread.start()
+    time.sleep(0.01)  # the listener waits on its socket, as a consumer between messages does
+    message_id = uuid.uuid4()
+    t = time.perf_counter()
+    conn.execute(insert_ringing, (message_id, payload, channel, str(message_id)))
+    thread.join()
+    if not done:
+        raise RuntimeError("floor: the notification of a committed insert did not arrive within 5 s")
+    return (done[0] - t) * 1000
+
+
+def _loop_rate(plan: Plan, statement: Callable[[], Any]) -> float:
+    """Statements per second, run back to back as the single-send measurement runs sends."""
+    count, start = 0, time.perf_counter()
+    while count < plan.single_max and time.perf_counter() - start < plan.single_seconds:
+        statement()
+        count += 1
+    return count / (time.perf_counter() - start)
 
 
 def backlog_scaling(driver: PostgresDriver, plan: Plan, tmp: Path, out: dict[str, Any]) -> None:
@@ -798,12 +878,14 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         ratio("postgres", "redis", "single_send_per_s"),
         0.6,
         "x",
-        bound=over(floor.get("durable_insert_per_s"), "redis", "single_send_per_s"),
+        # A broker of rows it claims and acks by id: an INSERT into a table with its keys (see floors()).
+        bound=over(floor.get("durable_insert_message_table_per_s"), "redis", "single_send_per_s"),
     )
     add("bulk enqueue vs Redis pipeline", ratio("postgres", "redis", "bulk_enqueue_per_s"), 2.0, "x")
     add("bulk enqueue", b.get("postgres", {}).get("bulk_enqueue_per_s"), 50_000, "msg/s")
     rabbit_p50 = theirs_latency("p50_ms")
-    paced = floor.get("durable_insert_paced_p50_ms")
+    # A durable send, a notification, a fenced claim (see floors()); older results have no notification.
+    paced = floor.get("insert_notify_claim_paced_p50_ms", floor.get("insert_then_claim_paced_p50_ms"))
     add(
         "idle latency p50 vs RabbitMQ",
         latency_ratio("p50_ms"),
@@ -917,6 +999,18 @@ def table(out: dict[str, Any]) -> str:
             f"| durable one-row INSERT, one-column table, in a loop | {fmt(floor['durable_insert_per_s'])} /s |",
             f"| the same INSERT paced like the idle-latency sends, p50 | {floor['durable_insert_paced_p50_ms']:.2f} ms |",
         ]
+        if "durable_insert_message_table_per_s" in floor:
+            lines += [
+                "| durable one-row INSERT into our message table (its keys; no ON CONFLICT, no NOTIFY), in a loop"
+                f" | {fmt(floor['durable_insert_message_table_per_s'])} /s |",
+                "| paced: that INSERT, then the row claimed by id from a second session (no disk wait), p50"
+                f" | {floor['insert_then_claim_paced_p50_ms']:.2f} ms |",
+            ]
+        if "insert_notify_claim_paced_p50_ms" in floor:
+            lines.append(
+                "| paced: that INSERT with a NOTIFY, the row claimed by a thread the notification woke, p50"
+                f" | {floor['insert_notify_claim_paced_p50_ms']:.2f} ms |"
+            )
         for name, seconds in floor["import_s"].items():
             lines.append(f"| import {IMPORTS[name]} | {seconds:.3f} s |")
     lines += ["", "| target | measured | goal | met | best this machine allows |", "|---|---|---|---|---|"]
