@@ -50,7 +50,9 @@ def test_the_claim_and_extension_set_synchronous_commit_for_their_own_transactio
         assert conn.execute("SHOW synchronous_commit").fetchone() == expected
         conn.rollback()
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-        claimed = conn.execute(claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test", **FROM_HEAD}).fetchone()
+        claimed = conn.execute(
+            claim, {"queue": "q", "limit": 1, "lease": 30, "consumer": "test", **FROM_HEAD}
+        ).fetchone()
         conn.commit()
         assert claimed is not None
         assert conn.execute(extend, {"ids": [claimed[0]], "deliveries": [claimed[2]], "lease": 30}).fetchall()

@@ -262,7 +262,10 @@ class FenceModel(RuleBasedStateMachine):
     @rule()
     def expire_and_rescue(self) -> None:
         """Every lease lapses (the holders paused): rows go back to the queue, their deliveries go stale."""
-        query(self.brokers[0], "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE state = 'running'")
+        query(
+            self.brokers[0],
+            "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE state = 'running'",
+        )
         self._back_to_queue([mid for mid, row in self.world.rows.items() if row.state == "running"])
         self.brokers[2].parts.maintenance.rescue()
         for row in self.world.rows.values():

@@ -1,0 +1,66 @@
+"""The benchmark's floors (``benchmarks/run.py``) run against the test database.
+
+The benchmark itself needs Redis and RabbitMQ and is run by hand; the floors
+need only PostgreSQL, and the targets table leans on them, so they are run
+here on a tiny plan.  Nothing here asserts a timing: only that every floor
+was measured and that the scratch schema is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import run  # noqa: E402
+
+TINY = run.Plan("tiny", 1, 10, 20, 0.2, 3, 100.0, 10, 10, 10, 1)
+
+
+def _floor_schemas(url: str) -> list[str]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'bench\\_floor\\_%'").fetchall()
+    return [r[0] for r in rows]
+
+
+def test_floors_measure_each_step_and_leave_no_schema(dramatiq_pg_url: str) -> None:
+    before = set(_floor_schemas(dramatiq_pg_url))
+    floor = run.floors(dramatiq_pg_url, TINY)
+    for key in (
+        "durable_insert_per_s",
+        "durable_insert_message_table_per_s",
+        "durable_insert_message_table_notify_per_s",
+        "durable_insert_paced_p50_ms",
+        "insert_then_claim_paced_p50_ms",
+        "insert_notify_claim_paced_p50_ms",
+    ):
+        assert floor[key] > 0, key
+    assert set(floor["import_s"]) == set(run.IMPORTS)
+    assert set(_floor_schemas(dramatiq_pg_url)) == before
+
+
+def test_the_targets_take_their_bounds_from_the_floors() -> None:
+    out = {
+        "brokers": {
+            "postgres": {"single_send_per_s": 1000.0, "latency": {"p50_ms": 3.0, "p99_ms": 5.0}},
+            "redis": {"single_send_per_s": 4000.0},
+            "rabbitmq": {"latency": {"p50_ms": 1.5, "p99_ms": 3.0}},
+        },
+        "floors": {
+            "durable_insert_per_s": 4000.0,
+            "durable_insert_message_table_per_s": 3000.0,
+            "durable_insert_message_table_notify_per_s": 2800.0,
+            "insert_notify_claim_paced_p50_ms": 1.8,
+            "import_s": {},
+        },
+    }
+    rows = {r["target"]: r for r in run.targets(out, TINY)}
+    assert rows["single send vs Redis (ours durable)"]["bound"] == pytest.approx(0.7)
+    assert rows["idle latency p50 vs RabbitMQ"]["bound"] == pytest.approx(1.2)
+    assert rows["idle latency p50 vs RabbitMQ"]["value"] == pytest.approx(2.0)
