@@ -39,8 +39,10 @@ def test_floors_measure_each_step_and_leave_no_schema(dramatiq_pg_url: str) -> N
         "durable_insert_paced_p50_ms",
         "insert_then_claim_paced_p50_ms",
         "insert_notify_claim_paced_p50_ms",
+        "insert_notify_claim_handoff_paced_p50_ms",
     ):
         assert floor[key] > 0, key
+    assert floor["insert_notify_claim_handoff_paced_p50_ms"] >= floor["insert_notify_claim_paced_p50_ms"]
     assert set(floor["import_s"]) == set(run.IMPORTS)
     assert set(_floor_schemas(dramatiq_pg_url)) == before
 
@@ -56,7 +58,8 @@ def test_the_targets_take_their_bounds_from_the_floors() -> None:
             "durable_insert_per_s": 4000.0,
             "durable_insert_message_table_per_s": 3000.0,
             "durable_insert_message_table_notify_per_s": 2800.0,
-            "insert_notify_claim_paced_p50_ms": 1.8,
+            "insert_notify_claim_paced_p50_ms": 1.6,
+            "insert_notify_claim_handoff_paced_p50_ms": 1.8,
             "import_s": {},
         },
     }
