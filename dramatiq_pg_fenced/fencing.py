@@ -121,7 +121,7 @@ class StaleWrites:
         retried: Collection[tuple[str, str]] = (),
         queues: Mapping[str, str] | None = None,
     ) -> None:
-        """Log and count *misses*; called inside the writing transaction.
+        """Log and count *misses*; called inside the writing transaction (after it, for a batch of acks alone).
 
         *retried* holds the (message id, delivery token) pairs whose previous try
         failed with a broken connection: it may have committed, so a row that

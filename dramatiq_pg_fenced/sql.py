@@ -66,8 +66,9 @@ operator's console.
 Only the enqueue waits for the WAL flush.  Unless ``durable_outcomes=True``,
 ``claim`` and ``extend`` run as their ``_relaxed`` variants, and the outcome
 writer's and shutdown release's transactions (``ack``, ``nack``, ``retry``,
-``requeue`` and what rides with them) begin with ``begin_relaxed``: a crash
-may lose the last of them, and their messages run again (see _claim).
+``requeue`` and what rides with them) begin with ``begin_relaxed``, and a
+batch of acks alone runs as ``ack_relaxed`` (one statement, one round trip): a
+crash may lose the last of them, and their messages run again (see _claim).
 ``rescue``, ``release_unseen``, ``cancel`` and the purges stay durable (rare,
 off the hot path).
 """
@@ -542,13 +543,19 @@ _TEMPLATES.update(
 # minute's row of the writing process (%(writer)s: no two processes share a
 # row, so no writer ever waits for another's), and the ack moves the row into
 # the history table when history is kept (``keep_finished`` > 0): one round
-# trip, and the hot table loses the row either way.
-_ACK_DELETE = """
-        DELETE FROM {schema}.message AS m
-         USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)
+# trip, and the hot table loses the row either way.  A batch of acks and
+# nothing else (no result, no follow-up, no countdown) is written by the ack
+# alone, in its own transaction: the ``_relaxed`` variants then turn off
+# ``synchronous_commit`` in the statement, as the claim does.
+def _ack_delete(*, relaxed: bool) -> str:
+    return f"""
+        DELETE FROM {{schema}}.message AS m
+         USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
          WHERE m.message_id = ANY(%(ids)s::uuid[])
            AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
 """
+
+
 _KEEP = """
     kept AS (
         INSERT INTO {schema}.history
@@ -569,7 +576,7 @@ def _tally(column: str) -> str:
     )"""
 
 
-def _ack(*, keep: bool) -> str:
+def _ack(*, keep: bool, relaxed: bool = False) -> str:
     returning = (
         "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
         " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
@@ -577,7 +584,7 @@ def _ack(*, keep: bool) -> str:
         else "RETURNING m.message_id, m.delivery, m.queue_name"
     )
     return f"""
-        WITH finished AS ({_ACK_DELETE} {returning}),
+        WITH finished AS ({_ack_delete(relaxed=relaxed)} {returning}),
         {_KEEP if keep else ""}
         {_tally("done")}
         SELECT message_id, delivery FROM finished
@@ -588,6 +595,8 @@ _TEMPLATES.update(
     {
         "ack": _ack(keep=False),
         "ack_keep": _ack(keep=True),
+        "ack_relaxed": _ack(keep=False, relaxed=True),
+        "ack_keep_relaxed": _ack(keep=True, relaxed=True),
         "nack": f"""
             WITH finished AS (
                 UPDATE {{schema}}.message AS m
@@ -814,8 +823,11 @@ _TEMPLATES.update(
         ),
         # Running: newest first (few rows: the lease index).
         "list_running": _page(
-            "message", "lease_expires_at", "state = 'running' AND lease_expires_at IS NOT NULL AND seq < %(seq)s",
-            "seq DESC", "seq"
+            "message",
+            "lease_expires_at",
+            "state = 'running' AND lease_expires_at IS NOT NULL AND seq < %(seq)s",
+            "seq DESC",
+            "seq",
         ),
         # Finished: most recently finished first.
         "list_done": _page(
@@ -1101,6 +1113,8 @@ class Statements:
     release_unseen: bytes
     ack: bytes
     ack_keep: bytes
+    ack_relaxed: bytes
+    ack_keep_relaxed: bytes
     nack: bytes
     retry: bytes
     requeue: bytes
