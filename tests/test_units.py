@@ -172,3 +172,20 @@ def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
     for bad in ("nope", "a|b|c", "1|2026-01-02T01:04:05Z"):  # refused before any query
         with pytest.raises(ValueError, match="bad cursor"):
             list_messages(None, statements("s"), "q", "queued", after=bad)  # type: ignore[arg-type]
+
+
+def test_statements_are_read_only_and_complete() -> None:
+    from dramatiq_pg_fenced.sql import Statements
+
+    bound = statements("units")
+    assert bound.ack_relaxed.startswith(b'WITH finished AS ( DELETE FROM "units".message')
+    with pytest.raises(AttributeError):
+        bound.ack = b"DELETE FROM elsewhere"
+    with pytest.raises(AttributeError):
+        del bound.ack
+    names = dict(vars(bound))
+    names.pop("ack")
+    with pytest.raises(TypeError, match="missing \\['ack'\\]"):
+        Statements(**names)
+    with pytest.raises(TypeError, match="unknown \\['nonsense'\\]"):
+        Statements(**vars(bound), nonsense=b"SELECT 1")
