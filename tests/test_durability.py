@@ -179,3 +179,41 @@ def test_a_lone_ack_batch_whose_stale_count_fails_is_not_written_again(
     info = broker.inspect(stale.message_id)
     assert info is not None and info["state"] == "running"  # the other delivery's, untouched
     assert "Could not finish counting 1 fenced-out ack(s)" in caplog.text
+
+
+def test_a_lone_ack_batch_whose_reply_is_lost_is_written_again_without_a_stale_count(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack statement commits, then the connection breaks before its reply arrives: the writer
+    writes the batch again, finds the rows gone as its own ack left them, and counts nothing stale."""
+    from dramatiq_pg_fenced.delivery import Outcome
+    from dramatiq_pg_fenced.fencing import Write
+
+    broker = dramatiq_pg_broker_factory(keep_finished=0)
+    broker.declare_queue("q")
+    for _ in range(2):
+        broker.enqueue(Message(queue_name="q", actor_name="nobody", args=(), kwargs={}, options={}))
+    consumer = broker.consume("q", prefetch=2, timeout=1000)
+    try:
+        proxies = [wait_for(lambda: next(consumer), 10, "a delivery") for _ in range(2)]
+    finally:
+        consumer.close()
+    writer, ack = broker.parts.writer, broker.statements.ack_relaxed
+    execute = psycopg.Connection.execute
+
+    def reply_lost(self: psycopg.Connection, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        cursor = execute(self, statement, *args, **kwargs)
+        if statement == ack:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return cursor
+
+    batch = [Outcome(Write.ACK, p.message_id, p.attempt, p.delivery, queue_name="q") for p in proxies]
+    before = broker.stats()["process"]["stale_writes"]
+    monkeypatch.setattr(psycopg.Connection, "execute", reply_lost)
+    again = writer._write_all(batch, 0.01)
+    monkeypatch.undo()
+    assert again == batch  # committed, but the writer cannot know: written again
+    assert all(broker.inspect(p.message_id) is None for p in proxies)
+    assert writer._write_all(again, 0.01) == []
+    assert broker.stats()["process"]["stale_writes"] == before
+    assert all(broker.parts.leases.held(p.message_id) is None for p in proxies)
