@@ -444,12 +444,7 @@ class RabbitmqDriver(Driver):
 def measure_single(driver: Driver, plan: Plan) -> float:
     send = driver.actors["noop"].send
     send()  # warm the connection
-    count, start = 0, time.perf_counter()
-    deadline = start + plan.single_seconds
-    while count < plan.single_max and time.perf_counter() < deadline:
-        send()
-        count += 1
-    return count / (time.perf_counter() - start)
+    return _loop_rate(plan, send)
 
 
 def measure_bulk(driver: Driver, n: int) -> float:
@@ -797,11 +792,11 @@ def _rung_claim(
     return (claimed[0] - t) * 1000, (handed[0] - t) * 1000
 
 
-def _loop_rate(plan: Plan, statement: Callable[[], Any]) -> float:
-    """Statements per second, run back to back as the single-send measurement runs sends."""
+def _loop_rate(plan: Plan, call: Callable[[], Any]) -> float:
+    """Calls per second, back to back, for at most ``single_max`` calls or ``single_seconds``."""
     count, start = 0, time.perf_counter()
     while count < plan.single_max and time.perf_counter() - start < plan.single_seconds:
-        statement()
+        call()
         count += 1
     return count / (time.perf_counter() - start)
 
@@ -921,30 +916,14 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         0.6,
         "x",
         # A broker of rows it claims and acks by id, whose sends wake its consumers: an INSERT into a table
-        # with its keys and a NOTIFY (see floors()); older results have no NOTIFY in that floor.
-        bound=over(
-            floor.get("durable_insert_message_table_notify_per_s", floor.get("durable_insert_message_table_per_s")),
-            "redis",
-            "single_send_per_s",
-        ),
+        # with its keys and a NOTIFY (see floors()).
+        bound=over(floor.get("durable_insert_message_table_notify_per_s"), "redis", "single_send_per_s"),
     )
     add("bulk enqueue vs Redis pipeline", ratio("postgres", "redis", "bulk_enqueue_per_s"), 2.0, "x")
     add("bulk enqueue", b.get("postgres", {}).get("bulk_enqueue_per_s"), 50_000, "msg/s")
     rabbit_p50 = theirs_latency("p50_ms")
-    # A durable send, a notification, a fenced claim, the hand-off to a worker thread (see floors());
-    # older results lack the last steps.
-    paced = next(
-        (
-            floor[key]
-            for key in (
-                "insert_notify_claim_handoff_paced_p50_ms",
-                "insert_notify_claim_paced_p50_ms",
-                "insert_then_claim_paced_p50_ms",
-            )
-            if key in floor
-        ),
-        None,
-    )
+    # A durable send, a notification, a fenced claim, the hand-off to a worker thread (see floors()).
+    paced = floor.get("insert_notify_claim_handoff_paced_p50_ms")
     add(
         "idle latency p50 vs RabbitMQ",
         latency_ratio("p50_ms"),
@@ -1057,26 +1036,17 @@ def table(out: dict[str, Any]) -> str:
             "|---|---|",
             f"| durable one-row INSERT, one-column table, in a loop | {fmt(floor['durable_insert_per_s'])} /s |",
             f"| the same INSERT paced like the idle-latency sends, p50 | {floor['durable_insert_paced_p50_ms']:.2f} ms |",
+            "| durable one-row INSERT into our message table (its keys; no ON CONFLICT, no NOTIFY), in a loop"
+            f" | {fmt(floor['durable_insert_message_table_per_s'])} /s |",
+            "| the same INSERT with a NOTIFY in its statement (nobody listening), in a loop"
+            f" | {fmt(floor['durable_insert_message_table_notify_per_s'])} /s |",
+            "| paced: that INSERT, then the row claimed by id from a second session (no disk wait), p50"
+            f" | {floor['insert_then_claim_paced_p50_ms']:.2f} ms |",
+            "| paced: that INSERT with a NOTIFY, the row claimed by a thread the notification woke, p50"
+            f" | {floor['insert_notify_claim_paced_p50_ms']:.2f} ms |",
+            "| paced: the same, until the claimed id is taken from a queue by a waiting worker thread, p50"
+            f" | {floor['insert_notify_claim_handoff_paced_p50_ms']:.2f} ms |",
         ]
-        if "durable_insert_message_table_per_s" in floor:
-            lines += [
-                "| durable one-row INSERT into our message table (its keys; no ON CONFLICT, no NOTIFY), in a loop"
-                f" | {fmt(floor['durable_insert_message_table_per_s'])} /s |",
-                "| the same INSERT with a NOTIFY in its statement (nobody listening), in a loop"
-                f" | {fmt(floor.get('durable_insert_message_table_notify_per_s'))} /s |",
-                "| paced: that INSERT, then the row claimed by id from a second session (no disk wait), p50"
-                f" | {floor['insert_then_claim_paced_p50_ms']:.2f} ms |",
-            ]
-        if "insert_notify_claim_paced_p50_ms" in floor:
-            lines.append(
-                "| paced: that INSERT with a NOTIFY, the row claimed by a thread the notification woke, p50"
-                f" | {floor['insert_notify_claim_paced_p50_ms']:.2f} ms |"
-            )
-        if "insert_notify_claim_handoff_paced_p50_ms" in floor:
-            lines.append(
-                "| paced: the same, until the claimed id is taken from a queue by a waiting worker thread, p50"
-                f" | {floor['insert_notify_claim_handoff_paced_p50_ms']:.2f} ms |"
-            )
         for name, seconds in floor["import_s"].items():
             lines.append(f"| import {IMPORTS[name]} | {'not installed' if seconds is None else f'{seconds:.3f} s'} |")
     lines += ["", "| target | measured | goal | met | best this machine allows |", "|---|---|---|---|---|"]

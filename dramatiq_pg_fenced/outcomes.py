@@ -375,7 +375,7 @@ class OutcomeWriter:
         with self.database.connection(raw=True) as conn, self._transaction(conn):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if acks := by_kind[Write.ACK]:
-                ack = stmts.ack_keep if self.settings.keep_finished > 0 else stmts.ack
+                ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
                 params: dict[str, Any] = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks]}
                 rows = conn.execute(ack, {**params, "writer": self.writer}).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
@@ -423,11 +423,7 @@ class OutcomeWriter:
         transaction, one round trip instead of three (begin, ack, commit).  Unless ``durable_outcomes``,
         the statement turns ``synchronous_commit`` off for itself.  Acks fenced out are counted after it,
         in the database if it can (the acks stay written either way)."""
-        stmts, relaxed = self.statements, not self.settings.durable_outcomes
-        if self.settings.keep_finished > 0:
-            ack = stmts.ack_keep_relaxed if relaxed else stmts.ack_keep
-        else:
-            ack = stmts.ack_relaxed if relaxed else stmts.ack
+        ack = self._ack_statement(relaxed=not self.settings.durable_outcomes)
         params = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks], "writer": self.writer}
         with self.database.connection(raw=True) as conn:
             applied = {(str(r[0]), str(r[1])) for r in conn.execute(ack, params).fetchall()}
@@ -445,6 +441,13 @@ class OutcomeWriter:
                     len(misses),
                     e,
                 )
+
+    def _ack_statement(self, *, relaxed: bool) -> bytes:
+        """The ack, moving rows to the history table when it is kept; *relaxed*: without waiting for the flush."""
+        stmts = self.statements
+        if self.settings.keep_finished > 0:
+            return stmts.ack_keep_relaxed if relaxed else stmts.ack_keep
+        return stmts.ack_relaxed if relaxed else stmts.ack
 
     @contextmanager
     def _transaction(self, conn: psycopg.Connection) -> Iterator[None]:
