@@ -295,6 +295,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             logger=self.logger,
             priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
             look_back=parts.look_back,
+            stored_exception=self.stored_exception,
         )
 
     def start_scheduler(self) -> bool:
@@ -346,8 +347,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         if isinstance(message, PostgresMessageProxy):
             if not self._retry(message, delay):
                 return cast(Message, message)  # not re-queued: no after_enqueue
-        elif (owner := delivery.deferring()) is not None:
-            owner.follow_ups.append(self.row(message, delay))  # written with its outcome, if that applies
+        elif (tied := delivery.tied_sends()) is not None:
+            tied.append(self.row(message, delay))  # written with its outcome (with_ack: its ack), if that applies
         elif (batch := getattr(self._local, "batch", None)) is not None:
             batch.append((message, delay))  # written, and emit_after sent, when the block ends
             return message
@@ -397,8 +398,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         messages = list(messages)
         self.emit_for_each("before_enqueue", messages, delay)
         ids = None
-        if (owner := delivery.deferring()) is not None:
-            owner.follow_ups.extend(self.row(m, delay) for m in messages)  # written with its outcome, if that applies
+        if (tied := delivery.tied_sends()) is not None:
+            tied.extend(self.row(m, delay) for m in messages)  # written with its outcome (with_ack: its ack)
         elif (batch := getattr(self._local, "batch", None)) is not None:
             batch.extend((m, delay) for m in messages)  # written, and emit_after sent, when the block ends
             return messages
@@ -438,14 +439,19 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
         Messages sent in this thread inside the block are written with the
         caller's connection: they become visible only if the caller's
         transaction commits and vanish if it rolls back.  The doorbell rings at
-        commit (NOTIFY is transactional).
+        commit (NOTIFY is transactional).  The innermost block decides: inside
+        this one, a send is written on *conn* even within :meth:`with_ack` or
+        :meth:`batch` (which would otherwise write it outside the caller's
+        transaction, whatever that transaction does); ``with_ack()`` inside it
+        is refused (:class:`~.errors.NestedSendError`).
         """
-        previous = getattr(self._local, "conn", None)
-        self._local.conn = conn
+        previous, batch = getattr(self._local, "conn", None), getattr(self._local, "batch", None)
+        self._local.conn, self._local.batch = conn, None
         try:
-            yield conn
+            with delivery.deferred(delivery.AT_ONCE):
+                yield conn
         finally:
-            self._local.conn = previous
+            self._local.conn, self._local.batch = previous, batch
 
     def row(self, message: Message, delay: int | None) -> Row:
         """*message* as the enqueue statement takes it (see :meth:`.enqueue.Enqueuer.row`)."""

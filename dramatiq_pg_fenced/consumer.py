@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,7 +35,7 @@ from psycopg_pool import PoolTimeout
 from . import delivery
 from .config import Settings
 from .database import Database
-from .delivery import Outcome, PostgresMessageProxy
+from .delivery import Outcome, PostgresMessageProxy, ResultWrite
 from .doorbell import Doorbell, look_back
 from .errors import SchemaError, lost_connection
 from .fencing import State, Write
@@ -185,8 +185,11 @@ class PostgresConsumer(Consumer):
         logger: logging.Logger,
         priority: int = 0,
         look_back: LookBack | None = None,
+        stored_exception: Callable[[PostgresMessageProxy], ResultWrite | None] | None = None,
     ) -> None:
         self.queue_name = queue_name
+        #: The exception the Results middleware stores for a failed message: it rides the nack (results.py).
+        self.stored_exception = stored_exception
         self.prefetch = max(prefetch, 1)
         self.timeout = timeout / 1000
         self.consumer_id = consumer_id
@@ -402,7 +405,14 @@ class PostgresConsumer(Consumer):
             exception=message.exception if nack else None,
             result=None if nack else message.pending_result,
         )
+        if nack and outcome.kind is Write.NACK and self.stored_exception is not None:
+            outcome.result = self.stored_exception(message)  # only if this nack applies, in its transaction
         outcome.follow_ups, outcome.countdowns = message.follow_ups, message.countdowns
+        if message.ack_sends:
+            if outcome.kind is Write.ACK:
+                outcome.follow_ups = [*outcome.follow_ups, *message.ack_sends]
+            else:  # with_ack(): a retry or a dead letter is no ack
+                self.writer.stale.drop_unacked(outcome.kind, message.message_id, message.attempt, len(message.ack_sends))
         message.pending_result = message.decided = None
         self.writer.submit(outcome)
 

@@ -142,8 +142,10 @@ class PostgresMessageProxy(MessageProxy):
         self.settled = False
         self.pending_result: ResultWrite | None = None
         self.decided: Outcome | None = None
-        self.follow_ups: list[Row] = []
+        self.follow_ups: list[Row] = []  #: sent by the middleware after the actor: ride any outcome
+        self.ack_sends: list[Row] = []  #: sent inside ``with broker.with_ack():``: ride only an ack
         self.countdowns: list[Countdown] = []
+        self.exception_stored = False  #: its stored exception rides its nack (see results.py)
         self.claimed_at = time.monotonic()
 
     @property
@@ -195,10 +197,15 @@ def write_pending() -> None:
 _running = threading.local()
 
 
+#: What a delivery's sends wait for (``_running.deferring``): nothing (sent at once), any outcome (the
+#: middleware's, after the actor: the next pipeline step, callbacks), or an ack (``with_ack()``).
+AT_ONCE, OUTCOME, ACK = "", "outcome", "ack"
+
+
 def start(delivery: PostgresMessageProxy | None) -> None:
     """Called as *delivery* starts on this worker thread (``None``: nothing runs here)."""
     _running.delivery = delivery
-    _running.deferring = False
+    _running.deferring = AT_ONCE
 
 
 def running() -> PostgresMessageProxy | None:
@@ -208,7 +215,7 @@ def running() -> PostgresMessageProxy | None:
 
 def defer_effects() -> None:
     """From now until its outcome, messages this thread sends belong to its delivery (see :func:`deferring`)."""
-    _running.deferring = True
+    _running.deferring = OUTCOME
 
 
 def deferring() -> PostgresMessageProxy | None:
@@ -219,15 +226,30 @@ def deferring() -> PostgresMessageProxy | None:
     :meth:`PostgresBroker.with_ack`; the actor body's own sends are enqueued
     at once.
     """
-    delivery = getattr(_running, "delivery", None)
-    return delivery if delivery is not None and getattr(_running, "deferring", False) else None
+    delivery: PostgresMessageProxy | None = getattr(_running, "delivery", None)
+    until: str = getattr(_running, "deferring", AT_ONCE)
+    return delivery if until != AT_ONCE else None
+
+
+def tied_sends() -> list[Row] | None:
+    """Where this thread's sends go when they belong to its delivery (``None``: they do not).
+
+    Inside ``with_ack()``, a list that only an ack writes (a retry or a dead
+    letter drops it, counted); in the middleware's hooks, one that any
+    outcome writes (an ``on_failure`` callback rides the dead letter).
+    """
+    delivery = deferring()
+    if delivery is None:
+        return None
+    return delivery.ack_sends if _running.deferring == ACK else delivery.follow_ups
 
 
 @contextmanager
-def deferred() -> Iterator[PostgresMessageProxy | None]:
-    """Tie this thread's sends to its running delivery's outcome inside the block."""
-    before = getattr(_running, "deferring", False)
-    _running.deferring = True
+def deferred(until: str = ACK) -> Iterator[PostgresMessageProxy | None]:
+    """Tie this thread's sends to its running delivery inside the block: to its ack, or (*until*
+    ``OUTCOME``) to any outcome; with ``AT_ONCE``, untie them (an explicit transaction inside)."""
+    before = getattr(_running, "deferring", AT_ONCE)
+    _running.deferring = until
     try:
         yield running()
     finally:

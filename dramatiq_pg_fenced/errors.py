@@ -24,6 +24,12 @@ class UniqueOptionError(MiddlewareError, ValueError):
     """
 
 
+class NestedSendError(BrokerError, RuntimeError):
+    """Two blocks that decide where a send goes are nested in a way that would break one of them:
+    ``with_ack()`` inside ``broker.transaction(conn)`` would send with the ack whether or not the
+    caller's transaction commits."""
+
+
 class DeadLetterError(BrokerError):
     """Raised by ``join(fail_fast=True)`` for a message dead-lettered elsewhere.
 

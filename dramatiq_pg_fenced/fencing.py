@@ -114,6 +114,20 @@ class StaleWrites:
             with self._lock:
                 self.dropped_effects += n
 
+    def drop_unacked(self, kind: Write, message_id: str, attempt: int, n: int) -> None:
+        """Count (and log) the *n* messages a delivery sent inside ``with_ack()`` that ended in a *kind*
+        (a retry or a dead letter), not an ack: they are not sent."""
+        self.logger.info(
+            "Attempt %d of message %s ended with a %s, not an ack: the %d message(s) it sent inside with_ack() "
+            "are dropped.",
+            attempt,
+            message_id,
+            kind.value,
+            n,
+        )
+        with self._lock:
+            self.dropped_effects += n
+
     def report(
         self,
         conn: psycopg.Connection,

@@ -295,6 +295,7 @@ class OutcomeWriter:
                 error=reason,
                 queue_name=outcome.queue_name,
                 exception=outcome.exception,
+                result=outcome.result if outcome.kind is Write.NACK else None,  # a stored exception
             )
             try:
                 self.write([nack])
@@ -500,16 +501,16 @@ class OutcomeWriter:
     def _write_results(
         self, conn: psycopg.Connection, by_kind: dict[Write, list[Outcome]], applied: set[tuple[str, str]]
     ) -> list[Miss]:
-        """Results of applied acks, and fenced stored exceptions; returns the fenced-out ones.
+        """Results of applied acks and nacks, and fenced stored exceptions; returns the fenced-out ones.
 
         A result the database refuses does not undo its ack (or nack): it is
         written again alone, and if refused alone, a failure that gives the
         reason is stored in its place (:meth:`_store_alone`).
         """
         # One row per key and statement (ON CONFLICT cannot touch a row twice).
-        with_ack = {
+        with_ack = {  # results of acks, stored exceptions of nacks (PostgresBroker.stored_exception)
             o.result.key: o.result
-            for o in by_kind[Write.ACK]
+            for o in (*by_kind[Write.ACK], *by_kind[Write.NACK])
             if o.result is not None and (o.message_id, o.delivery) in applied
         }
         fenced = {o.result.key: o.result for o in by_kind[Write.RESULT] if o.result is not None}

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
+from dramatiq.results import Results
 
 from . import delivery
 from .config import Settings
 from .consumer import LookBack, LostClaims
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
+from .errors import NestedSendError
 from .fencing import StaleWrites, Write
 from .interrupt import Interrupter
 from .leases import CancelWatch, LeaseKeeper, Leases, StartGate
@@ -78,6 +81,7 @@ class DeliveryMethods:
 
     logger: logging.Logger
     _parts: ProcessParts | None
+    _local: threading.local  # per thread: the caller's connection of an open transaction() (broker.py)
 
     @property
     def parts(self) -> ProcessParts:
@@ -103,6 +107,31 @@ class DeliveryMethods:
         )
         outcome.result = write
         self.parts.writer.submit(outcome)
+
+    def stored_exception(self, message: PostgresMessageProxy) -> ResultWrite | None:
+        """The exception Dramatiq's Results middleware stores for a failed message, built as its nack is
+        handed over so that it rides that nack: written in its transaction, only if it applies.
+
+        Results stores it in ``after_nack``, after the nack: written apart, it could land although the
+        nack was fenced out (a stale worker's error stored as the result of a message the rescuer
+        dead-lettered).  Only for our own results backend, on this broker; ``store_exception`` then
+        skips the message.
+        """
+        if not message.failed:
+            return None
+        for m in self.middleware:  # type: ignore[attr-defined]
+            backend = getattr(m, "backend", None)
+            build = getattr(backend, "exception_write", None)
+            # Ours, on this broker's schema: with a pool of its own too (its fence reads our message rows,
+            # so it is on our database).
+            if not isinstance(m, Results) or build is None or getattr(backend, "schema", None) != self.schema:  # type: ignore[attr-defined]
+                continue
+            store, ttl = m._lookup_options(self, message)
+            if not store:
+                return None
+            message.exception_stored = True
+            return cast(ResultWrite, build(message, message.exception or Exception("unknown"), ttl))
+        return None
 
     @property
     def interrupter(self) -> Interrupter:
@@ -136,12 +165,23 @@ class DeliveryMethods:
 
     @contextmanager
     def with_ack(self) -> Iterator[None]:
-        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if it applies.
+        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if
+        it applies.  A retry or a dead letter drops them (counted in ``dropped_effects``); to send on
+        failure, use Dramatiq's ``on_failure`` callback, which rides the dead letter.
 
         By default what an actor sends is enqueued at once (as with every
         broker), so a delivery that is later fenced out has sent it anyway.
+        Inside :meth:`~.broker.PostgresBroker.transaction` it is refused: its
+        sends would be written with the ack whether the caller's transaction
+        commits or not (:class:`~.errors.NestedSendError`).
         """
-        with delivery.deferred():
+        if getattr(self._local, "conn", None) is not None:
+            raise NestedSendError(
+                "with_ack() inside broker.transaction(conn): its messages would be sent with the delivery's "
+                "ack whether or not your transaction commits. Send them in the transaction (they commit "
+                "with it), or open with_ack() outside broker.transaction()."
+            )
+        with delivery.deferred(delivery.ACK):
             yield
 
     def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from contextlib import nullcontext
 from typing import Any
 
@@ -84,8 +85,9 @@ from .config import (
 from .database import Database
 from .delivery import PostgresMessageProxy, ResultWrite, attempt_of, defer_pending, deferring, write_pending
 from .doorbell import poll_pauses
-from .errors import ResultNotStored
+from .errors import DeadLetterError, ResultNotStored
 from .fencing import StaleWrites, State, Write
+from .interrupt import MessageCancelled
 from .maintenance import PurgeSchedule
 from .sql import check_schema, results_channel, statements
 
@@ -174,7 +176,7 @@ class PostgresBackend(ResultBackend):
         key = self.build_message_key(message)
         self._purges.maybe()
         if not block:
-            data = self._get(key)
+            data = self._read(key, str(message.message_id))
             if data is Missing:
                 raise ResultMissing(message)
             return self.unwrap_result(data)
@@ -184,7 +186,7 @@ class PostgresBackend(ResultBackend):
         with doorbell.waiting(key) if doorbell is not None else nullcontext(threading.Event()) as event:
             while True:
                 event.clear()  # a notification from here on ends the wait below
-                data = self._get(key)
+                data = self._read(key, str(message.message_id))
                 if data is not Missing:
                     break
                 remaining = deadline - time.monotonic()
@@ -194,11 +196,18 @@ class PostgresBackend(ResultBackend):
         return self.unwrap_result(data)
 
     def _get(self, message_key: str) -> Any:
+        """Dramatiq's low-level hook: the result under *message_key*, or ``Missing``."""
+        return self._read(message_key, "")
+
+    def _read(self, message_key: str, message_id: str) -> Any:
+        """The stored result; when there is none and the message was dead-lettered or cancelled, a
+        failure that says so (nothing will be stored: the rescuer's dead letter at ``max_deliveries``
+        stores no exception, and a stale worker's error never is)."""
         with self.database.connection() as conn:
-            row = conn.execute(self.statements.result_get, [message_key]).fetchone()
-            if row is None:
-                return Missing
-            data, live = row
+            params = {"key": message_key, "id": message_id if _is_uuid(message_id) else None}
+            data, live, state, error = conn.execute(self.statements.result_get, params).fetchone() or (None,) * 4
+            if data is None:
+                return Missing if state is None else _ended(message_id, state, error)
             if not live:
                 conn.execute(self.statements.result_drop_expired, [message_key])
                 return Missing
@@ -217,7 +226,9 @@ class PostgresBackend(ResultBackend):
 
     def store_exception(self, message: Any, exception: Exception, ttl: int) -> None:
         """Store an actor's exception for *ttl* ms; ``get_result`` raises ``ResultFailure`` for it."""
-        write = self._write_for(message, wrap_exception(exception), ttl)
+        if isinstance(message, PostgresMessageProxy) and message.exception_stored:
+            return  # it rode the nack (PostgresBroker.stored_exception)
+        write = self.exception_write(message, exception, ttl)
         if self.broker is not None and isinstance(message, PostgresMessageProxy) and message.settled:
             # After the nack (Dramatiq's order): the same writer, so it lands
             # with or right after the nack, and only if the nack applied.
@@ -225,6 +236,10 @@ class PostgresBackend(ResultBackend):
         else:
             self._store_now(write, [State.RUNNING, State.DEAD])
         self._purges.maybe()
+
+    def exception_write(self, message: Any, exception: BaseException, ttl: int) -> ResultWrite:
+        """*exception* as the stored result of *message* (``get_result`` raises ``ResultFailure``)."""
+        return self._write_for(message, wrap_exception(exception), ttl)
 
     def _store(self, message_key: str, result: Any, ttl: int) -> None:
         """Dramatiq's low-level hook: an unfenced write under *message_key*."""
@@ -284,6 +299,21 @@ class PostgresBackend(ResultBackend):
         """Stop the listener and close the pool this backend made (not the broker's: it closes them)."""
         if self.broker is None:
             self.database.close()
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _ended(message_id: str, state: str, error: str | None) -> dict[str, Any]:
+    """What ``get_result`` raises (as ``ResultFailure``) for a message that ended without a result."""
+    if state == State.CANCELLED.value:
+        return wrap_exception(MessageCancelled(f"message {message_id} was cancelled"))
+    return wrap_exception(DeadLetterError(message_id, error))
 
 
 class WritePendingResults(Middleware):

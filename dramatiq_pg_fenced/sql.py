@@ -156,6 +156,7 @@ _LOST = f"""
              || %(max)s::int || ')' || coalesce(E'\\nthe error before that: ' || last_error, '')
         ELSE last_error END,
     lease_expires_at = NULL, consumer_id = NULL,
+    delivery = NULL,
     {_retake("m", finished_too=False)}
 """
 
@@ -892,7 +893,16 @@ _RESULT_ROWS = """
 _WAKE = "pg_notify(%(channel)s, CASE WHEN octet_length(key) < 8000 THEN key ELSE '*' END)"
 _TEMPLATES.update(
     {
-        "result_get": "SELECT data, expires_at > now() FROM {schema}.result WHERE key = %s",
+        # A result, or when there is none, why none will come: the message was dead-lettered or
+        # cancelled with nothing stored (the rescuer's dead letter at max_deliveries, an actor
+        # without store_results).  The message row is read only on a miss.
+        "result_get": """
+            SELECT r.data, r.expires_at > now(), m.state, m.last_error
+              FROM (SELECT) AS one
+              LEFT JOIN {schema}.result AS r ON r.key = %(key)s
+              LEFT JOIN {schema}.message AS m
+                     ON r.key IS NULL AND m.message_id = %(id)s::uuid AND m.state IN ('dead', 'cancelled')
+        """,
         "result_drop_expired": "DELETE FROM {schema}.result WHERE key = %s AND expires_at <= now()",
         # Results whose delivery was already checked (their ack applied in this
         # transaction) or that belong to no delivery (attempt NULL).
@@ -913,7 +923,7 @@ _TEMPLATES.update(
                  WHERE EXISTS (
                        SELECT 1 FROM {{schema}}.message AS m
                         WHERE m.message_id = w.message_id::uuid AND m.attempt = w.attempt
-                          AND (w.delivery IS NULL OR m.delivery = w.delivery)
+                          AND (m.delivery = w.delivery OR (w.delivery IS NULL AND m.state = 'running'))
                           AND m.state = ANY(%(states)s::text[])
                           FOR SHARE)
                 {_RESULT_UPSERT}

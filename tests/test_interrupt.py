@@ -16,7 +16,7 @@ import dramatiq
 import pytest
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.threading import raise_thread_exception
-from dramatiq.results import ResultMissing, Results
+from dramatiq.results import ResultFailure, Results
 from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
@@ -125,9 +125,11 @@ def test_cancel_stops_a_running_actor_and_nothing_it_would_cause_is_written(
     assert seen["attempts"] == [1]  # not retried
     assert state(broker, mid) == ("cancelled", 1)
     assert after == []  # the pipeline's next step was not sent
-    with pytest.raises(ResultMissing):
-        backend.get_result(pipe.messages[0])  # no result, not even the stored exception
-    assert stats["cancelled_writes"] == before["cancelled_writes"] + 2  # the nack, and the exception as result
+    with pytest.raises(ResultFailure) as failure:  # no result, not even the stored exception: the reader
+        backend.get_result(pipe.messages[0])  # is told that the message was cancelled
+    assert failure.value.orig_exc_type == "MessageCancelled" and "cancelled" in failure.value.orig_exc_msg
+    assert query(broker, "SELECT count(*) FROM {schema}.result WHERE message_id = %s", [mid]) == [(0,)]
+    assert stats["cancelled_writes"] == before["cancelled_writes"] + 1  # the nack (the exception rode it)
     assert stats["stale_writes"] == before["stale_writes"]
     assert broker.interrupter.interrupts == stats["interrupts"] == 1
     assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'dead'") == [(0,)]
