@@ -14,11 +14,16 @@ import base64
 import http.client
 import io
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -331,3 +336,101 @@ def test_binding_beyond_loopback_with_actions_and_no_authentication_warns(
     (record,) = caplog.records
     assert record.levelno >= logging.WARNING and "\n" not in record.getMessage()
     assert "no authentication" in record.getMessage() and "0.0.0.0" in record.getMessage()
+
+
+# -- the commands ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status_of(port: int, host: str, authorization: str | None = None, path: str = "/") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("GET", path, skip_host=True)
+    conn.putheader("Host", host)
+    if authorization:
+        conn.putheader("Authorization", authorization)
+    conn.endheaders()
+    answer = conn.getresponse()
+    answer.read()
+    return answer.status
+
+
+@contextmanager
+def command(url: str, schema: str, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, list[str]]]:
+    """Run ``dramatiq-pg-fenced ARGS`` until it says where it listens: (port, stderr lines so far)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", url, "--schema", schema, *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        while " on http://" not in (lines[-1] if lines else ""):
+            line = proc.stderr.readline()
+            assert line, f"the command ended: {lines}"
+            lines.append(line)
+        port = int(lines[-1].rsplit(":", 1)[1].split("/")[0])
+        yield port, lines
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+def test_the_dashboard_command_takes_its_secret_from_a_file_or_the_environment(
+    dramatiq_pg_url: str, dramatiq_pg_broker: PostgresBroker, tmp_path: Path
+) -> None:
+    schema = dramatiq_pg_broker.schema
+    secret = tmp_path / "dashboard-auth"
+    secret.write_text("ops:file-secret-51\n")
+    ok, wrong = basic("ops", "file-secret-51"), basic("ops", "file-secret-5")
+    with command(dramatiq_pg_url, schema, "dashboard", "--port", "0", "--auth-file", str(secret),
+                 "--allow-host", "dash.example") as (port, lines):  # fmt: skip
+        assert status_of(port, f"127.0.0.1:{port}") == 401
+        assert status_of(port, f"127.0.0.1:{port}", wrong) == 401
+        assert status_of(port, f"127.0.0.1:{port}", ok) == 200
+        assert status_of(port, "dash.example", ok) == 200
+        assert status_of(port, "evil.example", ok) == 400
+        assert "file-secret" not in "".join(lines)
+    env = {"DRAMATIQ_PG_DASHBOARD_AUTH": "env-token-77"}
+    with command(dramatiq_pg_url, schema, "dashboard", "--port", "0", env=env) as (port, lines):
+        assert status_of(port, f"localhost:{port}") == 401
+        assert status_of(port, f"localhost:{port}", "Bearer env-token-77") == 200
+        assert "env-token" not in "".join(lines)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    # an empty file, a missing one, and a secret given as an argument (read as a file name, never echoed)
+    for bad in (["--auth-file", str(empty)], ["--auth-file", str(tmp_path / "missing")], ["--auth", "cli-secret-3"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", dramatiq_pg_url, "--schema", schema,
+             "dashboard", "--port", "0", *bad],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2 and "cli-secret" not in done.stderr, (bad, done.stderr)
+
+
+def test_the_dashboard_command_warns_when_it_exposes_actions_without_authentication(
+    dramatiq_pg_url: str, dramatiq_pg_broker: PostgresBroker
+) -> None:
+    schema = dramatiq_pg_broker.schema
+    exposed = ("dashboard", "--host", "0.0.0.0", "--port", "0", "--actions")
+    with command(dramatiq_pg_url, schema, *exposed) as (port, lines):
+        warning = [line for line in lines if "no authentication" in line]
+        assert len(warning) == 1 and "0.0.0.0" in warning[0], lines
+        assert status_of(port, f"127.0.0.1:{port}") == 200
+        assert status_of(port, f"evil.example:{port}") == 400
+    with command(dramatiq_pg_url, schema, "dashboard", "--port", "0", "--actions") as (port, lines):
+        assert not any("no authentication" in line for line in lines), lines
+
+
+def test_the_metrics_server_answers_only_allowed_host_names(
+    dramatiq_pg_url: str, dramatiq_pg_broker: PostgresBroker
+) -> None:
+    pytest.importorskip("prometheus_client")
+    schema = dramatiq_pg_broker.schema
+    port = free_port()
+    with command(dramatiq_pg_url, schema, "metrics", "--port", str(port), "--allow-host", "metrics.example"):
+        assert status_of(port, f"127.0.0.1:{port}", path="/metrics") == 200
+        assert status_of(port, "metrics.example:9191", path="/metrics") == 200
+        assert status_of(port, f"evil.example:{port}", path="/metrics") == 400
