@@ -31,7 +31,8 @@ from dramatiq_pg_fenced.dashboard import dashboard_app
 
 def render(app: Any, path: str) -> float:
     path, _, qs = path.partition("?")
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "QUERY_STRING": qs, "wsgi.input": io.BytesIO()}
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "QUERY_STRING": qs, "wsgi.input": io.BytesIO(),
+               "HTTP_HOST": "localhost"}  # fmt: skip
     status: list[str] = []
     started = time.perf_counter()
     b"".join(app(environ, lambda s, h: status.append(s)))

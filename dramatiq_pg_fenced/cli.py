@@ -17,8 +17,8 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -106,6 +106,22 @@ def _parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this host only)")
     dashboard.add_argument("--port", type=int, default=8080)
     dashboard.add_argument("--actions", action="store_true", help="allow cancel, re-drive, pause/resume and purge")
+    dashboard.add_argument(
+        "--auth-file",
+        metavar="PATH",
+        help="require HTTP authentication: the file holds user:password, or a token "
+        "(default: $DRAMATIQ_PG_DASHBOARD_AUTH if set; never given on the command line)",
+    )
+    for server in (metrics, dashboard):
+        server.add_argument(
+            "--allow-host",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="answer requests addressed to NAME too (repeat it; NAME:PORT for that port only, "
+            ".example.com for a domain and its subdomains); always answered: localhost, 127.0.0.1, [::1] "
+            "and the --host address; others get 400",
+        )
     return parser
 
 
@@ -307,29 +323,78 @@ def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
         sys.stdout.write(metrics.exposition(registry).decode())
         return OK
     broker.database.run(lambda conn: None)  # fail now, not at the first scrape, if the database is away
-    from prometheus_client import start_http_server
+    from prometheus_client import make_wsgi_app
 
-    start_http_server(args.port, args.host, registry)
-    print(f"metrics of schema {broker.schema!r} on http://{args.host}:{args.port}/metrics", file=sys.stderr)
-    while True:
-        time.sleep(3600)
+    from .dashboard import AllowedHosts, host_checked, make_dashboard_server, netloc
 
-
-def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
-    from .dashboard import dashboard_app, make_dashboard_server
-
-    broker.database.run(lambda conn: None)  # fail now if the database is away or not migrated
-    app = dashboard_app(broker, actions=args.actions, ring=True)
+    # As the dashboard: a page of another site, its name rebound to this address, reads nothing.
+    app = host_checked(make_wsgi_app(registry), AllowedHosts(_allowed_hosts(args)))
     server = make_dashboard_server(app, args.host, args.port)
-    mode = "actions on" if args.actions else "read-only"
-    print(
-        f"dashboard of schema {broker.schema!r} ({mode}) on http://{args.host}:{server.server_port}/", file=sys.stderr
-    )
+    where = netloc(args.host, server.server_port)
+    print(f"metrics of schema {broker.schema!r} on http://{where}/metrics", file=sys.stderr)
+    _note_wildcard(args)
     try:
         server.serve_forever()
     finally:
         server.server_close()
     return OK
+
+
+def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
+    from .dashboard import dashboard_app, make_dashboard_server, netloc
+
+    auth = _dashboard_auth(args.auth_file)
+    broker.database.run(lambda conn: None)  # fail now if the database is away or not migrated
+    app = dashboard_app(broker, actions=args.actions, ring=True, allowed_hosts=_allowed_hosts(args), auth=auth)
+    server = make_dashboard_server(app, args.host, args.port)  # warns if it exposes actions to anyone
+    mode = ("actions on" if args.actions else "read-only") + (", authentication on" if auth else "")
+    where = netloc(args.host, server.server_port)
+    print(f"dashboard of schema {broker.schema!r} ({mode}) on http://{where}/", file=sys.stderr)
+    _note_wildcard(args)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return OK
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """The host names the server answers besides the loopback ones: the bound address and --allow-host."""
+    return [args.host, *args.allow_host] if args.host else list(args.allow_host)
+
+
+def _note_wildcard(args: argparse.Namespace) -> None:
+    if args.host in ("", "0.0.0.0", "::") and not args.allow_host:
+        print(
+            "note: requests are answered only when addressed to localhost, 127.0.0.1 or [::1]: "
+            "add --allow-host for each name or address it is reached by",
+            file=sys.stderr,
+        )
+
+
+def _dashboard_auth(path: str | None) -> str | None:
+    """The dashboard's credentials, from *path* (``--auth-file``), else ``$DRAMATIQ_PG_DASHBOARD_AUTH``.
+
+    Never from an argument: a command line is visible to every user of the host (``ps``,
+    ``/proc``) and kept in shell histories.  Errors name neither the file nor its content
+    (a secret typed where the path goes stays out of the output)."""
+    from .dashboard import AUTH_ENV
+
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --auth-file: {getattr(e, 'strerror', None) or 'not UTF-8 text'}") from None
+        where = "--auth-file"
+    else:
+        env = os.environ.get(AUTH_ENV)
+        if env is None:
+            return None
+        text, where = env, f"${AUTH_ENV}"
+    text = text.strip()
+    if not text or "\n" in text:
+        raise ValueError(f"{where} must hold one line: user:password, or a token")
+    return text
 
 
 # -- output ----------------------------------------------------------------------------

@@ -6,11 +6,14 @@ actor, keyset pages), ``/message/<id>`` (one message), ``/metrics``
 re-drive, pause, resume, purge) are ``POST /action`` forms, refused unless the
 app was built with ``actions=True``.
 
-Cross-site requests cannot act: every form carries a token made for this
-process (compared in constant time), a request whose ``Origin`` is not this
-host or whose ``Sec-Fetch-Site`` says ``cross-site`` is refused, and pages may
-not be framed.  Nothing of the connection string is ever rendered: the pages
-name the schema only.
+Who may ask, checked before anything else runs: a request whose ``Host`` is not
+one of the allowed host names gets 400 (a DNS-rebinding page names its own host,
+and would otherwise read every page, arguments and form token included), then,
+when the app has credentials (``auth``), one without them gets 401.  Cross-site
+requests cannot act: every form carries a token made for this process (compared
+in constant time), a form whose ``Origin`` is not an allowed host or whose
+``Sec-Fetch-Site`` names another site is refused, and pages may not be framed.
+Nothing of the connection string is ever rendered: the pages name the schema only.
 
 Budget: every page runs a fixed number of indexed statements that stop early
 (counts capped at :data:`COUNT_CAP` per priority, pages of :data:`PAGE_SIZE`
@@ -21,12 +24,16 @@ rows per page); none scans the message table.  Mount it in any WSGI server
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import html
+import ipaddress
 import json
 import logging
+import re
 import secrets
+import socket
 import socketserver
 import urllib.parse
 from collections.abc import Callable, Iterable
@@ -35,6 +42,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from . import admin
+from .conditions import Condition
 from .config import Settings
 from .database import Database
 from .sql import FINISHED_STATES, Statements, check_queue
@@ -43,11 +51,16 @@ from .sql import FINISHED_STATES, Statements, check_queue
 COUNT_CAP = 10_000
 PAGE_SIZE = 50
 ACTIONS = ("cancel", "redrive", "pause", "resume", "purge", "redrive_queue")
+#: Always answered: no page of another site can be served from these names.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+#: Where the ``dashboard`` command reads its credentials unless given ``--auth-file``.
+AUTH_ENV = "DRAMATIQ_PG_DASHBOARD_AUTH"
 
 logger = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 Environ = dict[str, Any]
+WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
 _HEADERS = [
     (
@@ -56,7 +69,9 @@ _HEADERS = [
     ),
     ("X-Frame-Options", "DENY"),
     ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
+    # Not no-referrer: under it a browser sends "Origin: null" with our own forms, which a sandboxed
+    # frame of any site sends too; same-origin keeps the origin for us and sends nothing elsewhere.
+    ("Referrer-Policy", "same-origin"),
     ("Cache-Control", "no-store"),
 ]
 
@@ -66,6 +81,129 @@ class HTTPError(Exception):
         super().__init__(text)
         self.status = status
         self.text = text
+
+
+class AllowedHosts:
+    """The host names a request may be addressed to (its ``Host``) and a form may come from (its ``Origin``).
+
+    A DNS-rebinding page is served from its own name, which then resolves to this
+    host: the browser sends that name in ``Host`` and ``Origin`` and lets the page
+    read the answers.  So both must name a host the operator listed, never merely
+    each other.  Always allowed: :data:`LOOPBACK_HOSTS`.  Names compare without case
+    and without a trailing dot; IPv6 addresses in brackets, in any spelling.  A name
+    without a port matches any port (an SSH tunnel or a proxy may put the dashboard
+    on another one); ``name:port`` only that port (a request without one means its
+    scheme's default); ``.example.com`` matches example.com and its subdomains.
+    """
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self._names = [_allowed_name(n) for n in (*LOOPBACK_HOSTS, *names)]
+
+    def __repr__(self) -> str:
+        return ", ".join(f"{h}:{p}" if p is not None else h for h, p in self._names)
+
+    def allows(self, value: str, default_port: int) -> bool:
+        """Whether *value* (``host[:port]``, as in ``Host``) is allowed; a malformed one never is."""
+        parsed = _host_and_port(value)
+        if parsed is None:
+            return False
+        host, port = parsed
+        port = default_port if port is None else port
+        return any(
+            (host == name or (name.startswith(".") and (host == name[1:] or host.endswith(name))))
+            and wanted in (None, port)
+            for name, wanted in self._names
+        )
+
+    def allows_request(self, environ: Environ) -> bool:
+        """Whether the request's ``Host`` is allowed (a request without one is not)."""
+        default = 443 if environ.get("wsgi.url_scheme") == "https" else 80
+        return self.allows(environ.get("HTTP_HOST") or "", default)
+
+    def allows_origin(self, origin: str) -> bool:
+        """Whether ``Origin`` (``scheme://host[:port]``) is an allowed host over HTTP(S); ``null`` is not."""
+        match = re.fullmatch(r"(https?)://(.+)", origin)
+        if match is None:
+            return False
+        return self.allows(match[2], 443 if match[1] == "https" else 80)
+
+
+# host[:port]: a name of ASCII letters, digits, "-", "_" and dots, or an IPv6 address in brackets.
+_HOST = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?P<port>[0-9]{1,5}))?")
+
+
+def _host_and_port(value: str) -> tuple[str, int | None] | None:
+    """``host[:port]`` as (canonical host, port or ``None``); ``None`` when it is no such thing."""
+    match = _HOST.fullmatch(value)
+    if match is None:
+        return None
+    port = int(match["port"]) if match["port"] else None
+    if port is not None and port > 65535:
+        return None
+    if match["ipv6"]:
+        try:
+            return f"[{ipaddress.IPv6Address(match['ipv6']).compressed}]", port
+        except ValueError:
+            return None
+    host = match["name"].lower()
+    host = host[:-1] if host.endswith(".") else host
+    if len(host) > 253 or "" in host.split("."):
+        return None
+    return host, port
+
+
+def _allowed_name(name: str) -> tuple[str, int | None]:
+    """An allowed host as given (``name``, ``name:port``, ``.domain``, an IPv6 address with or without brackets)."""
+    name = name.strip()
+    try:
+        return f"[{ipaddress.IPv6Address(name).compressed}]", None
+    except ValueError:
+        pass
+    domain = name.startswith(".")
+    parsed = _host_and_port(name[1:] if domain else name)
+    if parsed is None:
+        raise ValueError(f"not a host name, host:port or .domain: {name!r}")
+    host, port = parsed
+    return ("." + host if domain else host), port
+
+
+class Credentials:
+    """The HTTP authentication a dashboard asks for: ``user:password`` (basic authentication), or a
+    token (a colon-free secret: the password of basic authentication under any user name, or
+    ``Authorization: Bearer TOKEN`` for scripts and Prometheus).  Compared in constant time.
+
+    Basic authentication because a browser asks for it by itself and sends it on every request
+    to the same origin (never to a rebinding page's: it is another origin).
+    """
+
+    def __init__(self, secret: str) -> None:
+        secret = secret.strip()
+        if not secret:
+            raise ValueError("the dashboard's credentials are empty")
+        self._token = ":" not in secret
+        self._secret = secret.encode()
+
+    def __repr__(self) -> str:
+        return "Credentials(token)" if self._token else "Credentials(user:password)"
+
+    def accept(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header carries these credentials."""
+        scheme, _, value = authorization.strip().partition(" ")
+        scheme, value = scheme.lower(), value.strip()
+        if scheme == "bearer" and self._token:
+            given = value.encode()
+        elif scheme == "basic":
+            try:
+                decoded = base64.b64decode(value, validate=True).decode()
+            except ValueError:  # not base64, or not UTF-8
+                return False
+            user, colon, password = decoded.partition(":")
+            if not colon:
+                return False
+            given = password.encode() if self._token else decoded.encode()
+        else:
+            return False
+        return hmac.compare_digest(given, self._secret)
 
 
 class Dashboard:
@@ -80,6 +218,12 @@ class Dashboard:
         multi-process server (gunicorn workers, replicas) accepts the others'
         forms; ``None``: a random token made when the app is built (one process,
         or an app built before the server forks).
+      allowed_hosts: the host names requests may be addressed to besides
+        :data:`LOOPBACK_HOSTS` (see :class:`AllowedHosts`): the names people
+        reach it by, or the ``Host`` your proxy passes on.  Others get 400.
+      auth: require HTTP authentication: ``"user:password"`` or a token (see
+        :class:`Credentials`); read it from a file or the environment, never
+        from code or a command line.  ``None``: none (put the app behind yours).
     """
 
     def __init__(
@@ -91,6 +235,8 @@ class Dashboard:
         actions: bool = False,
         ring: bool | None = None,
         secret: str | None = None,
+        allowed_hosts: Iterable[str] = (),
+        auth: str | None = None,
     ) -> None:
         self.database = database
         self.statements = statements
@@ -103,10 +249,19 @@ class Dashboard:
             if secret
             else secrets.token_urlsafe(32)
         )
+        self.allowed_hosts = AllowedHosts(allowed_hosts)
+        self.auth = Credentials(auth) if auth is not None else None
         self._metrics: Any = None
 
     # -- WSGI --------------------------------------------------------------------
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        # Before any page, check or statement: a request for another host name (DNS
+        # rebinding) or without the credentials learns nothing, the form token least of all.
+        if not self.allowed_hosts.allows_request(environ):
+            return _refuse_host(self.allowed_hosts, environ, start_response)
+        if self.auth is not None and not self.auth.accept(environ.get("HTTP_AUTHORIZATION") or ""):
+            challenge = ("WWW-Authenticate", 'Basic realm="dramatiq-pg-fenced dashboard", charset="UTF-8"')
+            return _plain(start_response, "401 Unauthorized", "authentication required", challenge)
         path = environ.get("PATH_INFO") or "/"
         method = environ.get("REQUEST_METHOD", "GET")
         try:
@@ -158,7 +313,7 @@ class Dashboard:
         """Check and perform one action; returns where to go next."""
         if not self.actions:
             raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
-        _same_origin(environ)
+        self._same_origin(environ)
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
@@ -193,10 +348,25 @@ class Dashboard:
             raise HTTPError("400 Bad Request", f"unknown action {action!r}")
         logger.info("Dashboard action %s: %s", action, note)
         target = form.get("next", "/")
-        if not target.startswith("/") or target.startswith("//"):
+        if not _LOCAL_TARGET.fullmatch(target):
             target = "/"  # never a redirect elsewhere
         joiner = "&" if "?" in target else "?"
         return f"{target}{joiner}{urllib.parse.urlencode({'note': note})}"
+
+    def _same_origin(self, environ: Environ) -> None:
+        """Refuse a form another page posted (the token is the main guard; this is the second).
+
+        ``Origin`` must be an allowed host, never compared with ``Host``: a rebinding
+        page sets both to its own name.  ``null`` (a sandboxed frame, a file) is
+        refused; so is ``Sec-Fetch-Site: same-site`` (a page of a sibling host, or of
+        another port of this one).  A request without ``Origin`` (not a browser's, or a
+        very old one) has only the token to pass.
+        """
+        if environ.get("HTTP_SEC_FETCH_SITE") in ("cross-site", "same-site"):
+            raise HTTPError("403 Forbidden", "cross-site request refused")
+        origin = environ.get("HTTP_ORIGIN")
+        if origin is not None and not self.allowed_hosts.allows_origin(origin):
+            raise HTTPError("403 Forbidden", "cross-origin request refused")
 
     def _form(self, action: str, label: str, fields: dict[str, str], next_url: str, extra: str = "") -> str:
         if not self.actions:
@@ -447,26 +617,66 @@ def _table(heads: list[str], rows: list[list[str]], cls: str = "") -> str:
     return f"<table class={cls or 'plain'}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _same_origin(environ: Environ) -> None:
-    """Refuse a request another site's page made (the token is the main guard; this is the second)."""
-    if environ.get("HTTP_SEC_FETCH_SITE") == "cross-site":
-        raise HTTPError("403 Forbidden", "cross-site request refused")
-    origin = environ.get("HTTP_ORIGIN")
-    if origin and origin != "null":
-        host = environ.get("HTTP_HOST") or environ.get("SERVER_NAME", "")
-        if urllib.parse.urlsplit(origin).netloc != host:
-            raise HTTPError("403 Forbidden", "cross-origin request refused")
+#: Where an action may send the browser next: a path here.  Printable ASCII only (browsers drop tabs
+#: and newlines), no backslash (browsers read it as a slash), and no second slash first ("//host").
+_LOCAL_TARGET = re.compile(r"/(?![/\\])[!-\[\]-~]*")
+
+_refused_hosts = Condition(logger, "Dashboard: refusing requests for host names not allowed", interval=600.0)
+
+
+def _plain(start_response: StartResponse, status: str, text: str, *headers: tuple[str, str]) -> list[bytes]:
+    data = f"{status}: {text}\n".encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data))),
+                            *headers, *_HEADERS])  # fmt: skip
+    return [data]
+
+
+def _refuse_host(allowed: AllowedHosts, environ: Environ, start_response: StartResponse) -> list[bytes]:
+    """400, naming nothing of this server; the log says which name was refused, now and then."""
+    host = environ.get("HTTP_HOST")
+    _refused_hosts.hit(f"{(host or '')[:100]!r} (allowed: {allowed!r}; add it with allowed_hosts= or --allow-host)")
+    return _plain(start_response, "400 Bad Request", "this host name is not one this server answers to")
+
+
+def host_checked(app: WSGIApp, allowed_hosts: AllowedHosts) -> WSGIApp:
+    """*app*, answering 400 to a request whose ``Host`` is not allowed (the metrics server is so wrapped)."""
+
+    def checked(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        if not allowed_hosts.allows_request(environ):
+            return _refuse_host(allowed_hosts, environ, start_response)
+        return app(environ, start_response)
+
+    return checked
 
 
 def dashboard_app(
-    broker: Any, *, actions: bool = False, ring: bool | None = None, secret: str | None = None
+    broker: Any,
+    *,
+    actions: bool = False,
+    ring: bool | None = None,
+    secret: str | None = None,
+    allowed_hosts: Iterable[str] = (),
+    auth: str | None = None,
 ) -> Dashboard:
     """The dashboard over *broker*'s database and schema (a ``PostgresBroker``): a WSGI app to mount."""
-    return Dashboard(broker.database, broker.statements, broker.settings, actions=actions, ring=ring, secret=secret)
+    return Dashboard(
+        broker.database,
+        broker.statements,
+        broker.settings,
+        actions=actions,
+        ring=ring,
+        secret=secret,
+        allowed_hosts=allowed_hosts,
+        auth=auth,
+    )
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -474,6 +684,34 @@ class _QuietHandler(WSGIRequestHandler):
         logger.info("%s %s", self.address_string(), format % args)
 
 
-def make_dashboard_server(app: Dashboard, host: str = "127.0.0.1", port: int = 8080) -> WSGIServer:
-    """A threaded WSGI server for *app* (``serve_forever()`` it; ``port=0`` picks a free one)."""
-    return make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
+def make_dashboard_server(app: WSGIApp, host: str = "127.0.0.1", port: int = 8080) -> WSGIServer:
+    """A threaded WSGI server for *app*, the dashboard or another (``serve_forever()`` it; ``port=0``
+    picks a free one; an IPv6 *host* binds IPv6).
+
+    A dashboard with actions and no credentials bound beyond loopback is one any host that
+    reaches it can purge: that is said once, at WARNING, when the server is made.
+    """
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = _Server6 if family == socket.AF_INET6 else _Server
+    server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
+    address = str(server.server_address[0])
+    if isinstance(app, Dashboard) and app.actions and app.auth is None and not _loopback(address):
+        logger.warning(
+            "Dashboard on %s with actions on and no authentication: anyone who can reach this address can cancel, "
+            "re-drive and purge messages (give it credentials: --auth-file, $%s or auth=; or bind 127.0.0.1)",
+            netloc(address, server.server_port),
+            AUTH_ENV,
+        )
+    return server
+
+
+def netloc(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it (IPv6 in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
