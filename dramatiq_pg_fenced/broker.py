@@ -14,11 +14,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any, cast
 
-import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
@@ -45,8 +42,7 @@ from .config import (
 from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
-from .doorbell import look_back
-from .enqueue import CHUNK, Enqueuer
+from .enqueue import Enqueuer
 from .errors import DeadLetterError
 from .fencing import Write
 from .hooks import SkipNoopHooks
@@ -55,11 +51,12 @@ from .outcomes import retry_outcome
 from .parts import DeliveryMethods, ProcessParts
 from .schedules import Schedules
 from .schedules import overview as schedule_overview
+from .sends import SendMethods
 from .sql import check_queue, check_schema, statements
 from .unique import UniqueMessages
 
 
-class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
+class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethods, Broker):
     """A Dramatiq broker that keeps messages in PostgreSQL.
 
     Parameters:
@@ -383,100 +380,9 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, Broker):
             message.settled = True
         return outcome.kind is Write.RETRY
 
-    def enqueue_many(self, messages: Iterable[Message], *, delay: int | None = None) -> list[Message]:
-        """Store many messages in one transaction: one statement, or pipelined
-        chunks of ``enqueue.CHUNK`` (the next encoded while the server inserts
-        this one), and one commit.
-
-        Returns the messages; one whose unique key another message holds (or
-        an earlier one of this call) comes back as a copy with the holder's id.
-        Like :meth:`enqueue`, inside :meth:`with_ack` (or a middleware's
-        ``after_process_message``) the messages wait for the delivery's
-        outcome, and inside :meth:`batch` for the block's end; they are then
-        returned as sent.
-        """
-        messages = list(messages)
-        self.emit_for_each("before_enqueue", messages, delay)
-        ids = None
-        if (tied := delivery.tied_sends()) is not None:
-            tied.extend(self.row(m, delay) for m in messages)  # written with its outcome (with_ack: its ack)
-        elif (batch := getattr(self._local, "batch", None)) is not None:
-            batch.extend((m, delay) for m in messages)  # written, and emit_after sent, when the block ends
-            return messages
-        else:
-            ids = self._insert([(m, delay) for m in messages])
-        self.emit_for_each("after_enqueue", messages, delay)
-        if ids is None:
-            return messages
-        return [
-            m if i == m.message_id else dataclasses.replace(m, message_id=i) for m, i in zip(messages, ids, strict=True)
-        ]
-
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Collect every message sent in this thread inside the block; insert them in one round trip at its end.
-
-        ``with broker.batch(): group(...).run()`` enqueues a whole group at
-        once.  If the block raises, nothing is enqueued.
-        """
-        if getattr(self._local, "batch", None) is not None:
-            yield  # nested: the outer block writes
-            return
-        items: list[tuple[Message, int | None]] = []
-        self._local.batch = items
-        try:
-            yield
-        finally:
-            self._local.batch = None
-        self._insert(items)
-        for message, delay in items:
-            self.emit_after("enqueue", message, delay)
-
-    @contextmanager
-    def transaction(self, conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
-        """Enqueue on *conn*, inside the caller's own transaction (the outbox pattern).
-
-        Messages sent in this thread inside the block are written with the
-        caller's connection: they become visible only if the caller's
-        transaction commits and vanish if it rolls back.  The doorbell rings at
-        commit (NOTIFY is transactional).  The innermost block decides: inside
-        this one, a send is written on *conn* even within :meth:`with_ack` or
-        :meth:`batch` (which would otherwise write it outside the caller's
-        transaction, whatever that transaction does); ``with_ack()`` inside it
-        is refused (:class:`~.errors.NestedSendError`).
-        """
-        previous, batch = getattr(self._local, "conn", None), getattr(self._local, "batch", None)
-        self._local.conn, self._local.batch = conn, None
-        try:
-            with delivery.deferred(delivery.AT_ONCE):
-                yield conn
-        finally:
-            self._local.conn, self._local.batch = previous, batch
-
     def row(self, message: Message, delay: int | None) -> Row:
         """*message* as the enqueue statement takes it (see :meth:`.enqueue.Enqueuer.row`)."""
         return self.enqueuer.row(message, delay)
-
-    def _insert(self, items: list[tuple[Message, int | None]]) -> list[str] | None:
-        """Write *items*; ``None``, or with unique keys the id each send stands for (see Enqueuer.write)."""
-        if not items:
-            return None
-        caller_conn = getattr(self._local, "conn", None)
-        if caller_conn is None and len(items) > CHUNK:
-            # Encoded chunk by chunk while the server inserts the previous one, in one transaction.
-            return self.database.run(lambda conn: self.enqueuer.write_messages(conn, items))
-        rows = [self.enqueuer.row(message, delay) for message, delay in items]
-        if caller_conn is None:
-            # Idempotent by message_id (ON CONFLICT DO NOTHING): safe to run again.
-            # One statement, so autocommit makes it one round trip and one commit.
-            return self.database.run(lambda conn: self.enqueuer.write(conn, rows))
-        if self.listen:
-            # The rows carry the caller's transaction's start as their place in line, and appear
-            # only at its commit: consumers must look back at the head for them (consumer.Floor).
-            # Sent first, delivered with the enqueue's own ring at commit (NOTIFY is transactional).
-            queues = sorted({r[1] for r in rows})
-            caller_conn.execute(self.statements.notify, [self.channel, look_back(queues, ring=False)])
-        return self.enqueuer.write(caller_conn, rows)  # the caller's transaction decides
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of the queue, dead letters included."""

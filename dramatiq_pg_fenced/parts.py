@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, cast
 
 from dramatiq.errors import ConnectionClosed
@@ -23,7 +21,6 @@ from .config import Settings
 from .consumer import LookBack, LostClaims
 from .database import Database
 from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
-from .errors import NestedSendError
 from .fencing import StaleWrites, Write
 from .interrupt import Interrupter
 from .leases import CancelWatch, LeaseKeeper, Leases, StartGate
@@ -81,7 +78,6 @@ class DeliveryMethods:
 
     logger: logging.Logger
     _parts: ProcessParts | None
-    _local: threading.local  # per thread: the caller's connection of an open transaction() (broker.py)
 
     @property
     def parts(self) -> ProcessParts:
@@ -162,27 +158,6 @@ class DeliveryMethods:
             return 0
         self.logger.info("Released %d prefetched message(s) that had not started.", len(released))
         return len(released)
-
-    @contextmanager
-    def with_ack(self) -> Iterator[None]:
-        """Inside an actor: messages sent in the block are enqueued with this delivery's ack, and only if
-        it applies.  A retry or a dead letter drops them (counted in ``dropped_effects``); to send on
-        failure, use Dramatiq's ``on_failure`` callback, which rides the dead letter.
-
-        By default what an actor sends is enqueued at once (as with every
-        broker), so a delivery that is later fenced out has sent it anyway.
-        Inside :meth:`~.broker.PostgresBroker.transaction` it is refused: its
-        sends would be written with the ack whether the caller's transaction
-        commits or not (:class:`~.errors.NestedSendError`).
-        """
-        if getattr(self._local, "conn", None) is not None:
-            raise NestedSendError(
-                "with_ack() inside broker.transaction(conn): its messages would be sent with the delivery's "
-                "ack whether or not your transaction commits. Send them in the transaction (they commit "
-                "with it), or open with_ack() outside broker.transaction()."
-            )
-        with delivery.deferred(delivery.ACK):
-            yield
 
     def countdown(self, message: PostgresMessageProxy, key: str, ttl: int, completions: list[Message]) -> bool:
         """Tie a group member's barrier countdown (and the completion messages) to its outcome.
