@@ -223,7 +223,7 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
         if args.forget:
             if not schedules.forget(db, st, args.forget):
                 return _fail(f"no schedule {args.forget!r}", NOT_APPLIED)
-            print(f"{args.forget}: forgotten (a scheduler that still declares it puts it back)")
+            print(f"{args.forget}: forgotten (a scheduler that still declares its newest definition puts it back)")
             return OK
         listed = schedules.overview(db, st)
         if args.json:
@@ -434,16 +434,23 @@ def schedules_table(rows: list[dict[str, Any]]) -> str:
         [
             r["name"],
             r["actor_name"],
-            r["schedule"],
+            r["schedule"] + (f" (version {r['version']})" if r["version"] else ""),
             r["missed"],
             _when(r["last_tick"]),
             r["last_message_id"] or "",
             _when(r["next_tick"]),
-            "stale (no scheduler declares it)" if r["stale"] else "active",
+            _schedule_status(r),
         ]
         for r in rows
     ]
     return _columns(heads, body) + "\n(times in UTC)" if body else "no schedules"
+
+
+def _schedule_status(row: dict[str, Any]) -> str:
+    if row["stale"]:
+        return "stale (no scheduler declares it)"
+    # Processes with an older definition enqueue nothing: a rolling deploy not over yet.
+    return "active; an older definition is still declared" if row["outdated"] else "active"
 
 
 def list_table(rows: list[dict[str, Any]]) -> str:

@@ -30,7 +30,7 @@ Policies:
   catches up).  Older ticks were missed while no scheduler ran:
   ``missed="once"`` (the default) enqueues one message for the latest of them,
   then the schedule goes on; ``missed="skip"`` enqueues none of them.  Ticks
-  from before a schedule was first declared (or last changed) never count.
+  from before a schedule was first declared never count.
 - **Daylight saving**: cron expressions run in their time zone (``tz``, UTC by
   default) as Debian's cron runs them (cronsim): a job at a fixed time that
   falls in the hour skipped in spring runs when the clocks jump; one in the
@@ -38,10 +38,23 @@ Policies:
   follow the wall clock, so they run in both passes of a repeated hour.
   Intervals ignore time zones: their ticks are the multiples of the interval
   since the Unix epoch, the same for every process.
-- **Changed or removed in code**: each process declares its definitions when
-  its scheduler starts; the process that declared last wins, and a process
-  whose definition differs from the stored one stops enqueuing that schedule
-  (it says so once).  A schedule no running scheduler declares any more is
+- **Changed in code**: each scheduler declares its definitions when it
+  starts and every 30 s.  The newer definition wins, in an order the database
+  keeps (table ``schedule_version``): a higher ``version=`` (0 by default),
+  then the definition first declared last.  So in a rolling deploy an old
+  process that starts again after the new ones does not take the schedule
+  back, nor after ``--forget``; a process whose definition is not the stored
+  one stops enqueuing that schedule (it says so once).  A definition no
+  scheduler has declared for STALE_AFTER seconds gives way to the others (a
+  rollback takes over once the newer processes are gone).
+- **Ticks owed across a change**: the definition that takes over first
+  enqueues what the one it replaces would have enqueued in a pass at that
+  moment: that one's ticks still within its grace (and a missed one, by its
+  policy).  They get the new definition's message (arguments, options,
+  actor): the process enqueuing them, and the workers that will run them, have
+  the new code, and the old arguments are not stored.  The new timing counts
+  from the change on: none of its ticks from before it are owed.
+- **Removed in code**: a schedule no running scheduler declares any more is
   enqueued by nobody; its row stays, listed as stale by ``dramatiq-pg-fenced
   schedules`` (``--forget NAME`` removes it).
 """
@@ -230,11 +243,12 @@ class Schedule:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     missed: str = DEFAULT_MISSED
     grace: float = DEFAULT_GRACE
+    version: int = 0
 
     @property
     def fingerprint(self) -> str:
         """A hash of the whole definition: processes that declare the same schedule the same way agree on it."""
-        definition = {
+        definition: dict[str, Any] = {
             "actor": self.actor_name,
             "queue": self.queue_name,
             "timing": dataclasses.asdict(self.timing),
@@ -244,6 +258,8 @@ class Schedule:
             "missed": self.missed,
             "grace_ms": self.grace_ms,
         }
+        if self.version:  # (absent at 0: the fingerprints stored before version= existed stay the same)
+            definition["version"] = self.version
         text = json.dumps(definition, sort_keys=True, default=repr, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -284,12 +300,19 @@ class Schedules:
         options: dict[str, Any] | None = None,
         missed: str = DEFAULT_MISSED,
         grace: float = DEFAULT_GRACE,
+        version: int = 0,
     ) -> Schedule:
         """Declare a schedule of *actor* (a Dramatiq actor, or the name of one declared on this broker).
 
+        *version* orders this definition against the ones other processes
+        declare under the same name: a higher one wins whenever it is
+        declared; at equal versions the definition first declared last wins
+        (see the module docstring).  Leave it at 0 unless that order is not
+        the one you deploy in.
+
         Raises :class:`ValueError` for a bad cron expression, time zone,
-        interval, policy or name, a name declared twice, an actor this broker
-        does not know, or arguments the message encoder cannot encode.
+        interval, policy, version or name, a name declared twice, an actor this
+        broker does not know, or arguments the message encoder cannot encode.
         """
         actor_name, queue_name = self._actor(actor)
         name = actor_name if name is None else name
@@ -303,9 +326,20 @@ class Schedules:
             raise ValueError(f"grace= takes a positive number of seconds, not {grace!r}")
         if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
             raise ValueError(f"args= takes a tuple or a list, not {args!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+            raise ValueError(f"version= takes a whole number, 0 or more, not {version!r}")
         timing = Timing.parse(cron, every, tz)
         scheduled = Schedule(
-            name, actor_name, queue_name, timing, tuple(args), dict(kwargs or {}), dict(options or {}), missed, grace
+            name,
+            actor_name,
+            queue_name,
+            timing,
+            tuple(args),
+            dict(kwargs or {}),
+            dict(options or {}),
+            missed,
+            grace,
+            version,
         )
         try:
             scheduled.message(datetime.now(UTC)).encode()
@@ -353,6 +387,7 @@ def schedule(
     options: dict[str, Any] | None = None,
     missed: str = DEFAULT_MISSED,
     grace: float = DEFAULT_GRACE,
+    version: int = 0,
 ) -> Callable[[Any], Any]:
     """Decorate a Dramatiq actor (put it above ``@dramatiq.actor``) to send it a message on every tick.
 
@@ -375,6 +410,7 @@ def schedule(
             options=options,
             missed=missed,
             grace=grace,
+            version=version,
         )
         return actor
 
@@ -421,16 +457,77 @@ class Scheduler(Periodic):
             self._wait = MAX_SLEEP
             return
         if self._declared_at is None or time.monotonic() - self._declared_at > SEEN_EVERY:
-            self.declare(mine, first=self._declared_at is None)
+            self.declare(mine)
             self._declared_at = time.monotonic()
         self._wait = self.run_once(mine)
         if time.monotonic() - self._purged_at > PURGE_EVERY:
             self._purged_at = time.monotonic()
             self.purge()
 
-    def declare(self, mine: list[Schedule], *, first: bool) -> None:
-        """Store this process's definitions (``first``: they win), or say they are still declared."""
-        params = {
+    def declare(self, mine: list[Schedule]) -> list[tuple[Schedule, datetime, str]]:
+        """Declare this process's definitions and install those that win; returns the owed ticks it enqueued.
+
+        Which declaration is newer is decided by the database, in one order
+        every process sees (``schedule_winners`` in sql.py): the higher
+        ``version``, then the definition first declared last.  Not the last
+        process to start: an old process that starts again in a rolling
+        deploy, or declares after an operator's ``--forget``, does not take a
+        schedule back from newer code.  A definition nobody has declared for
+        STALE_AFTER seconds gives way, so a rollback takes over once the newer
+        processes are gone.
+
+        A definition that replaces another first enqueues what the old one
+        still owes: what its scheduler would have enqueued in a pass at this
+        moment (ticks of its timing late within its grace; one it missed, by
+        its policy).  So a change loses no tick that fell due before it, and
+        owes none of the new timing's past ticks.  Those ticks get the new
+        definition's message, as the ticks after the change do: this process
+        has the new code, and so will the workers that run them; the old
+        arguments are not stored.
+        """
+        params = self._definitions(mine)
+        enqueued: list[tuple[Schedule, datetime, str]] = []
+        by_name = {s.name: s for s in mine}
+        with self.database.connection(raw=True) as conn, conn.transaction():
+            conn.execute(self.statements.schedule_versions_lock)
+            conn.execute(self.statements.schedule_versions_seen, params)
+            rows = conn.execute(
+                self.statements.schedule_winners, {"names": params["names"], "live": STALE_AFTER}
+            ).fetchall()
+            winning: list[Schedule] = []
+            outdated: list[str] = []
+            owed: list[tuple[Schedule, datetime]] = []
+            for name, winner, stored, cron, zone, every_ms, missed, grace_ms, last_tick, changed_at, now in rows:
+                scheduled = by_name[name]
+                if winner != scheduled.fingerprint:
+                    outdated.append(name)
+                    continue
+                winning.append(scheduled)
+                if stored is not None and stored != scheduled.fingerprint:
+                    old = Timing(cron, zone, every_ms)
+                    since = changed_at if last_tick is None else max(last_tick, changed_at)
+                    owed += [(scheduled, t) for t in self._owed(scheduled, old, since, now, grace_ms / 1000, missed)]
+            if winning:
+                conn.execute(self.statements.schedule_declare, self._definitions(winning))
+            if outdated:
+                conn.execute(self.statements.schedule_outdated, [outdated])
+            for scheduled, tick in owed:
+                message_id = self._tick(conn, scheduled, tick)
+                if message_id is not None:
+                    enqueued.append((scheduled, tick, message_id))
+        for scheduled, tick, message_id in enqueued:  # committed
+            self.enqueued += 1
+            self.logger.info(
+                "Schedule %r: its definition changed; tick %s of the old one, still owed, enqueued as message %s.",
+                scheduled.name,
+                tick,
+                message_id,
+            )
+        return enqueued
+
+    @staticmethod
+    def _definitions(mine: list[Schedule]) -> dict[str, list[Any]]:
+        return {
             "names": [s.name for s in mine],
             "actors": [s.actor_name for s in mine],
             "queues": [s.queue_name for s in mine],
@@ -439,11 +536,31 @@ class Scheduler(Periodic):
             "every_ms": [s.timing.every_ms for s in mine],
             "missed": [s.missed for s in mine],
             "grace_ms": [s.grace_ms for s in mine],
+            "versions": [s.version for s in mine],
             "fingerprints": [s.fingerprint for s in mine],
         }
-        statement = self.statements.schedule_declare if first else self.statements.schedule_seen
-        with self.database.connection(raw=True) as conn:
-            conn.execute(statement, params)
+
+    def _owed(
+        self, scheduled: Schedule, old: Timing, since: datetime, now: datetime, grace: float, missed: str
+    ) -> list[datetime]:
+        """The ticks the replaced definition (its timing, grace and policy) would enqueue at *now*, all of them."""
+        ticks: list[datetime] = []
+        try:
+            while True:
+                batch = old.due(since, now, grace=grace, missed=missed)
+                ticks += batch
+                if len(batch) < MAX_TICKS_PER_PASS:
+                    return ticks
+                since, missed = batch[-1], "skip"
+        except (CronSimError, ZoneInfoNotFoundError, ValueError) as e:
+            self.logger.warning(
+                "Schedule %r: the definition it replaces (%s) cannot be read here (%s); "
+                "its ticks still owed are not enqueued.",
+                scheduled.name,
+                old.describe(),
+                e,
+            )
+            return ticks
 
     def run_once(self, mine: list[Schedule]) -> float:
         """Enqueue every due tick of *mine*; returns the seconds until the next one is due (at most MAX_SLEEP)."""
@@ -476,6 +593,14 @@ class Scheduler(Periodic):
         return min(max(wait, 0.001), MAX_SLEEP)
 
     def _enqueue(self, conn: psycopg.Connection, scheduled: Schedule, tick: datetime) -> bool:
+        message_id = self._tick(conn, scheduled, tick)
+        if message_id is not None:
+            self.enqueued += 1
+            self.logger.debug("Schedule %r: tick %s enqueued as message %s.", scheduled.name, tick, message_id)
+        return message_id is not None
+
+    def _tick(self, conn: psycopg.Connection, scheduled: Schedule, tick: datetime) -> str | None:
+        """Run ``schedule_tick``; the message's id if this call enqueued the tick."""
         # A unique key of the actor (unique.py) is not applied: the tick is the message's uniqueness.
         message_id, queue_name, actor_name, priority, _, payload, *_ = self.row(scheduled.message(tick), None)
         inserted = conn.execute(
@@ -493,21 +618,18 @@ class Scheduler(Periodic):
                 "listen": self.settings.listen,
             },
         ).fetchone()
-        won = bool(inserted and inserted[0])
-        if won:
-            self.enqueued += 1
-            self.logger.debug("Schedule %r: tick %s enqueued as message %s.", scheduled.name, tick, message_id)
-        return won
+        return message_id if inserted and inserted[0] else None
 
     def _say_stale(self, scheduled: Schedule, other: str) -> None:
         if self._stale.get(scheduled.name) != other:
             self._stale[scheduled.name] = other
             self.logger.warning(
-                "Schedule %r was declared differently by a process that started later (changed in code?); "
-                "this process's definition (%s) is out of date and it does not enqueue this schedule. "
-                "Restart it to take the new definition.",
+                "Schedule %r has a newer definition (newer code, or a higher version=) than this process's "
+                "(%s, version %d); this process's is out of date and it does not enqueue this schedule. "
+                "Deploy the new code here to run it again.",
                 scheduled.name,
                 scheduled.timing.describe(),
+                scheduled.version,
             )
 
     def _say_missed(self, scheduled: Schedule, since: datetime, now: datetime) -> None:
@@ -532,13 +654,15 @@ class Scheduler(Periodic):
 
 # -- what operators see ------------------------------------------------------------
 _LIST_COLUMNS = (
-    "name", "actor_name", "queue_name", "cron", "timezone", "every_ms", "missed", "grace_ms", "created_at",
-    "changed_at", "seen_at", "last_tick", "last_message_id", "last_enqueued_at",
+    "name", "actor_name", "queue_name", "cron", "timezone", "every_ms", "missed", "grace_ms", "version", "created_at",
+    "changed_at", "seen_at", "outdated_seen_at", "last_tick", "last_message_id", "last_enqueued_at",
 )  # fmt: skip
 
 
 def overview(database: Database, statements: Statements) -> list[dict[str, Any]]:
-    """Every stored schedule: its definition, last tick and that tick's message, next tick, and whether it is stale."""
+    """Every stored schedule: the definition in force, last tick and that tick's message, next tick, whether
+    it is stale (no scheduler declares it), and whether a running scheduler still declares an older
+    definition (``outdated``: processes with old code, which enqueue nothing)."""
     rows = database.run(lambda conn: conn.execute(statements.schedule_list).fetchall())
     found = []
     for row in rows:
@@ -548,6 +672,8 @@ def overview(database: Database, statements: Statements) -> list[dict[str, Any]]
         item["last_message_id"] = None if item["last_message_id"] is None else str(item["last_message_id"])
         item["schedule"] = timing.describe()
         item["stale"] = (now - item["seen_at"]).total_seconds() > STALE_AFTER
+        older = item["outdated_seen_at"]
+        item["outdated"] = older is not None and (now - older).total_seconds() <= STALE_AFTER
         try:
             since = max(now, item["last_tick"] or now)
             item["next_tick"] = None if item["stale"] else timing.after(since)
@@ -558,5 +684,9 @@ def overview(database: Database, statements: Statements) -> list[dict[str, Any]]
 
 
 def forget(database: Database, statements: Statements, name: str) -> bool:
-    """Remove a schedule's row; returns whether there was one."""
+    """Remove a schedule's row; returns whether there was one.
+
+    The order of its definitions stays (schedule_version): a scheduler that
+    still declares the newest one puts the row back; an older one never does.
+    """
     return database.run(lambda conn: conn.execute(statements.schedule_forget, [name]).fetchone()) is not None

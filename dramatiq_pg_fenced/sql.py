@@ -1002,38 +1002,67 @@ _TEMPLATES.update(
 )
 
 
-# -- schedules (migration 007, schedules.py) ------------------------------------
-# The definition columns of a schedule row, as both declaring statements take
-# them (arrays: one element per schedule of the declaring process).
+# -- schedules (migrations 007 and 009, schedules.py) ------------------------------
+# The definition columns of a schedule row, as the declaring statement takes
+# them (arrays: one element per schedule the declaring process installs).
 _SCHEDULE_ROWS = """
         SELECT * FROM unnest(%(names)s::text[], %(actors)s::text[], %(queues)s::text[], %(crons)s::text[],
                              %(timezones)s::text[], %(every_ms)s::bigint[], %(missed)s::text[],
-                             %(grace_ms)s::bigint[], %(fingerprints)s::text[])
-                      AS d(name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, fingerprint)
+                             %(grace_ms)s::bigint[], %(versions)s::bigint[], %(fingerprints)s::text[])
+                      AS d(name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, version,
+                           fingerprint)
          ORDER BY name
 """
-_SCHEDULE_COLUMNS = "name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, fingerprint"
+_SCHEDULE_COLUMNS = "name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, version, fingerprint"
 _TEMPLATES.update(
     {
-        # A scheduler starts: its definitions become the schedules' (the
-        # process that declares last wins); changed_at moves when the
-        # definition did, and last_tick stays (ticks never go backwards).
+        # A scheduler declares its schedules (at start, then every 30 s), in
+        # one transaction, these four statements in order.  Declarations take
+        # turns (this lock; ticks and reads do not wait for it), so each one
+        # sees every definition declared before it.
+        "schedule_versions_lock": "LOCK TABLE {schema}.schedule_version IN SHARE ROW EXCLUSIVE MODE",
+        # This process's definitions are declared now: a definition never
+        # declared before is first seen now (it is the newest).
+        "schedule_versions_seen": """
+            INSERT INTO {schema}.schedule_version AS v (name, fingerprint, version)
+            SELECT * FROM unnest(%(names)s::text[], %(fingerprints)s::text[], %(versions)s::bigint[])
+            ON CONFLICT (name, fingerprint) DO UPDATE SET last_seen = clock_timestamp()
+        """,
+        # For each of this process's schedules: the definition that wins (of
+        # those declared in the last %(live)s seconds, the highest version,
+        # then the one first seen last), and the stored row, locked: ticks of
+        # the old definition wait until the change is committed, then find
+        # their fingerprint gone.  The row's old definition says which of its
+        # ticks are still owed (Scheduler.declare).
+        "schedule_winners": """
+            SELECT n.name, w.fingerprint, s.fingerprint, s.cron, s.timezone, s.every_ms, s.missed, s.grace_ms,
+                   s.last_tick, s.changed_at, now()
+              FROM unnest(%(names)s::text[]) AS n(name)
+             CROSS JOIN LATERAL (
+                   SELECT v.fingerprint FROM {schema}.schedule_version AS v
+                    WHERE v.name = n.name AND v.last_seen > clock_timestamp() - %(live)s * interval '1 second'
+                    ORDER BY v.version DESC, v.first_seen DESC, v.fingerprint DESC LIMIT 1) AS w
+              LEFT JOIN LATERAL (
+                   SELECT * FROM {schema}.schedule AS s WHERE s.name = n.name FOR UPDATE) AS s ON true
+             ORDER BY n.name
+        """,
+        # The winning definitions become the schedules' (a forgotten row comes
+        # back, afresh); changed_at moves when the definition did, and
+        # last_tick stays (ticks never go backwards).
         "schedule_declare": f"""
             INSERT INTO {{schema}}.schedule AS s ({_SCHEDULE_COLUMNS})
             {_SCHEDULE_ROWS}
             ON CONFLICT (name) DO UPDATE
                SET actor_name = EXCLUDED.actor_name, queue_name = EXCLUDED.queue_name, cron = EXCLUDED.cron,
                    timezone = EXCLUDED.timezone, every_ms = EXCLUDED.every_ms, missed = EXCLUDED.missed,
-                   grace_ms = EXCLUDED.grace_ms, fingerprint = EXCLUDED.fingerprint, seen_at = now(),
+                   grace_ms = EXCLUDED.grace_ms, version = EXCLUDED.version, fingerprint = EXCLUDED.fingerprint,
+                   seen_at = now(),
                    changed_at = CASE WHEN s.fingerprint = EXCLUDED.fingerprint THEN s.changed_at ELSE now() END
         """,
-        # A running scheduler says it still declares its schedules: seen_at,
-        # only where the stored definition is its own (never overwriting a
-        # newer process's); a row an operator forgot comes back.
-        "schedule_seen": f"""
-            INSERT INTO {{schema}}.schedule AS s ({_SCHEDULE_COLUMNS})
-            {_SCHEDULE_ROWS}
-            ON CONFLICT (name) DO UPDATE SET seen_at = now() WHERE s.fingerprint = EXCLUDED.fingerprint
+        # The losing ones: a running process still declares an older
+        # definition (it enqueues nothing; shown to operators).
+        "schedule_outdated": """
+            UPDATE {schema}.schedule SET outdated_seen_at = now() WHERE name = ANY(%s::text[])
         """,
         # The database clock, and where each of this process's schedules
         # stands (one row with NULLs when none is stored yet).
@@ -1079,12 +1108,14 @@ _TEMPLATES.update(
             SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung
         """,
         "schedule_list": """
-            SELECT name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, created_at,
-                   changed_at, seen_at, last_tick, last_message_id, last_enqueued_at, clock_timestamp() AS now
+            SELECT name, actor_name, queue_name, cron, timezone, every_ms, missed, grace_ms, version, created_at,
+                   changed_at, seen_at, outdated_seen_at, last_tick, last_message_id, last_enqueued_at,
+                   clock_timestamp() AS now
               FROM {schema}.schedule ORDER BY name
         """,
         # An operator removes a schedule's row (a running scheduler that still
-        # declares it puts it back, with no last tick: it starts afresh).
+        # declares the winning definition puts it back, with no last tick: it
+        # starts afresh).  The definitions' order (schedule_version) stays.
         "schedule_forget": "DELETE FROM {schema}.schedule WHERE name = %s RETURNING name",
         "schedule_ticks": """
             SELECT tick, message_id, enqueued_at FROM {schema}.schedule_tick
@@ -1206,8 +1237,11 @@ class Statements:
     rate_limit_notify: bytes
     rate_limit_event: bytes
     rate_limit_purge: bytes
+    schedule_versions_lock: bytes
+    schedule_versions_seen: bytes
+    schedule_winners: bytes
     schedule_declare: bytes
-    schedule_seen: bytes
+    schedule_outdated: bytes
     schedule_read: bytes
     schedule_tick: bytes
     schedule_list: bytes

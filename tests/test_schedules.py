@@ -17,7 +17,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from helpers import query, running_worker, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced import PostgresBroker, migrations
 from dramatiq_pg_fenced.cli import main
 from dramatiq_pg_fenced.schedules import DEFAULT_MISSED, Schedule, Scheduler, Timing, schedule
 
@@ -144,6 +144,9 @@ def test_a_name_declared_twice_an_unknown_actor_and_bad_options_are_refused() ->
         broker.schedules.add(report, every=60, name="c", args=(object(),))
     with pytest.raises(ValueError, match="args="):
         broker.schedules.add(report, every=60, name="d", args="abc")
+    for version in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="version="):
+            broker.schedules.add(report, every=60, name="e", version=version)  # type: ignore[arg-type]
     assert [s.name for s in broker.schedules] == ["report", "report-hourly"]
     broker.schedules.add("report", every=30, name="by-name")  # an actor by its name
     assert broker.schedules.get("by-name") is not None
@@ -173,8 +176,11 @@ def test_the_fingerprint_changes_with_the_definition_only() -> None:
         Schedule("s", "a", "default", timing, (2,), {"k": "v"}),
         Schedule("s", "b", "default", timing, (1,), {"k": "v"}),
         Schedule("s", "a", "default", timing, (1,), {"k": "v"}, missed="skip"),
+        Schedule("s", "a", "default", timing, (1,), {"k": "v"}, version=1),
     ):
         assert other.fingerprint != one.fingerprint
+    # version 0 leaves the fingerprints stored before version= existed as they were
+    assert one.fingerprint == "f79307a8b00c4eac8b247d0086c1cfc5"
 
 
 # -- against the database ------------------------------------------------------------
@@ -193,12 +199,13 @@ def scheduler_of(broker: PostgresBroker) -> Scheduler:
     )
 
 
-def twin(factory: Factory, schema: str, every: float = 1, **options: object) -> tuple[PostgresBroker, Scheduler]:
-    """Another 'process': a broker on the same schema, its own declaration of the ``tick`` schedule."""
+def twin(factory: Factory, schema: str, every: float | None = 1, **options: object) -> tuple[PostgresBroker, Scheduler]:
+    """Another 'process': a broker on the same schema, its own declaration of the ``tick`` schedule
+    (``every=None, cron=...`` for a cron expression)."""
     broker = factory(schema=schema)
 
     @dramatiq.actor(broker=broker, actor_name="tick")
-    def tick() -> None: ...
+    def tick(*args: object, **kwargs: object) -> None: ...
 
     broker.schedules.add(tick, every=every, name="tick", **options)  # type: ignore[arg-type]
     return broker, scheduler_of(broker)
@@ -217,7 +224,7 @@ def db_now(broker: PostgresBroker) -> datetime:
 def test_many_schedulers_racing_for_the_same_ticks_enqueue_each_tick_once(dramatiq_pg_broker_factory: Factory) -> None:
     first = dramatiq_pg_broker_factory()
     racers = [twin(dramatiq_pg_broker_factory, first.schema) for _ in range(4)]
-    racers[0][1].declare(list(racers[0][0].schedules), first=True)
+    racers[0][1].declare(list(racers[0][0].schedules))
     start = query(first, "SELECT changed_at FROM {schema}.schedule")[0][0]
     barrier = threading.Barrier(len(racers))
     errors: list[BaseException] = []
@@ -253,7 +260,7 @@ def test_the_database_clock_decides_a_tick_not_yet_due_or_already_passed_is_refu
     broker, scheduler = twin(dramatiq_pg_broker_factory, broker.schema, every=1)
     scheduled = broker.schedules.get("tick")
     assert scheduled is not None
-    scheduler.declare([scheduled], first=True)
+    scheduler.declare([scheduled])
     now = db_now(broker).replace(microsecond=0)
     with broker.database.connection() as conn:
         # A host whose clock runs 10 s ahead computes a tick that is not due by the database's clock.
@@ -271,7 +278,7 @@ def test_ticks_missed_while_no_scheduler_ran_follow_the_policy(
 ) -> None:
     broker = dramatiq_pg_broker_factory()
     broker, scheduler = twin(dramatiq_pg_broker_factory, broker.schema, every=3600, missed=missed, grace=5)
-    scheduler.declare(list(broker.schedules), first=True)
+    scheduler.declare(list(broker.schedules))
     # Every scheduler was down for ten hours: the last tick and the declaration are old.
     query(
         broker,
@@ -292,14 +299,15 @@ def test_ticks_missed_while_no_scheduler_ran_follow_the_policy(
     )
 
 
-def test_a_schedule_changed_in_code_is_enqueued_only_by_the_process_that_declared_last(
+def test_a_schedule_changed_in_code_is_enqueued_only_by_the_processes_with_the_newer_definition(
     dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture
 ) -> None:
     old, old_scheduler = twin(dramatiq_pg_broker_factory, dramatiq_pg_broker_factory().schema, every=1)
-    old_scheduler.declare(list(old.schedules), first=True)
+    old_scheduler.declare(list(old.schedules))
     new, new_scheduler = twin(dramatiq_pg_broker_factory, old.schema, every=2)
-    new_scheduler.declare(list(new.schedules), first=True)  # a later deploy
-    old_scheduler.declare(list(old.schedules), first=False)  # the old process's periodic declaration
+    new_scheduler.declare(list(new.schedules))  # a later deploy
+    changed_at = query(new, "SELECT changed_at FROM {schema}.schedule")[0][0]
+    old_scheduler.declare(list(old.schedules))  # the old process's periodic declaration
     for _ in range(12):
         with caplog.at_level(logging.WARNING, logger="test.scheduler"):
             old_scheduler.run_once(list(old.schedules))
@@ -308,10 +316,214 @@ def test_a_schedule_changed_in_code_is_enqueued_only_by_the_process_that_declare
     assert old_scheduler.enqueued == 0
     assert new_scheduler.enqueued >= 1
     ticks = [datetime.fromisoformat(m["options"]["tick"]) for m in messages(old)]
-    assert all(t.second % 2 == 0 for t in ticks)
-    assert sum("declared differently" in r.getMessage() for r in caplog.records) == 1  # said once
+    assert all(t.second % 2 == 0 for t in ticks if t > changed_at)  # (one of the old timing may be owed)
+    assert sum("has a newer definition" in r.getMessage() for r in caplog.records) == 1  # said once
     (row,) = [s for s in new.stats()["schedules"] if s["name"] == "tick"]
     assert row["schedule"] == "every 2s"
+    assert row["outdated"]  # an older definition is still declared: the deploy is not over
+
+
+def daily_at(moment: datetime) -> str:
+    """A cron expression (seconds first) that ticks once a day, at *moment*'s time of day (UTC)."""
+    return f"{moment.second} {moment.minute} {moment.hour} * * *"
+
+
+def declared_an_hour_ago(broker: PostgresBroker) -> None:
+    """As if the stored definition had been declared an hour ago (and no tick enqueued since)."""
+    query(broker, "UPDATE {schema}.schedule SET changed_at = now() - interval '1 hour', created_at = changed_at")
+
+
+def test_a_tick_due_before_a_change_and_within_its_grace_is_enqueued_once_with_the_new_definition(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    probe = dramatiq_pg_broker_factory(schema=schema)
+    due = db_now(probe).replace(microsecond=0) - timedelta(seconds=2)
+    # Given a schedule with a 60 s grace whose tick fell due 2 s ago and is not enqueued yet
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(due), args=("old",))
+    old_scheduler.declare(list(old.schedules))
+    declared_an_hour_ago(old)
+    # When a deploy declares it again with new arguments, and every scheduler runs a pass
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(due), args=("new",))
+    new_scheduler.declare(list(new.schedules))
+    for scheduler in (old_scheduler, new_scheduler, old_scheduler, new_scheduler):
+        scheduler.run_once(list(scheduler.schedules))
+    # I expect that tick enqueued once, with the declaration in force (the new one)
+    (message,) = messages(new)
+    assert datetime.fromisoformat(message["options"]["tick"]) == due
+    assert message["args"] == ["new"]
+    assert old_scheduler.enqueued == 0
+
+
+def test_a_timing_change_owes_the_old_timings_late_ticks_and_none_of_the_new_timings_past_ones(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    probe = dramatiq_pg_broker_factory(schema=schema)
+    now = db_now(probe).replace(microsecond=0)
+    old_tick, new_timings_past_tick = now - timedelta(seconds=2), now - timedelta(seconds=10)
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(old_tick))
+    old_scheduler.declare(list(old.schedules))
+    declared_an_hour_ago(old)
+    # The new timing ticks at a time of day 10 s ago: never a tick of the definition in force then
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(new_timings_past_tick))
+    new_scheduler.declare(list(new.schedules))
+    new_scheduler.run_once(list(new.schedules))
+    assert [datetime.fromisoformat(m["options"]["tick"]) for m in messages(new)] == [old_tick]
+
+
+@pytest.mark.parametrize("missed", ["once", "skip"])
+def test_a_change_keeps_the_old_definitions_policy_for_ticks_it_missed(
+    dramatiq_pg_broker_factory: Factory, missed: str
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    probe = dramatiq_pg_broker_factory(schema=schema)
+    missed_tick = db_now(probe).replace(microsecond=0) - timedelta(seconds=30)
+    # Given a tick 30 s ago, past a 5 s grace: missed while no scheduler ran (a deploy's downtime)
+    old, old_scheduler = twin(
+        dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(missed_tick), grace=5, missed=missed
+    )
+    old_scheduler.declare(list(old.schedules))
+    declared_an_hour_ago(old)
+    new, new_scheduler = twin(
+        dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(missed_tick), grace=5, missed=missed, args=(2,)
+    )
+    new_scheduler.declare(list(new.schedules))
+    new_scheduler.run_once(list(new.schedules))
+    # The old definition's policy decides, as if its scheduler had run a pass at the change
+    expected = [missed_tick] if missed == "once" else []
+    assert [datetime.fromisoformat(m["options"]["tick"]) for m in messages(new)] == expected
+
+
+def test_a_change_racing_the_old_definitions_schedulers_enqueues_the_late_tick_once(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    probe = dramatiq_pg_broker_factory(schema=schema)
+    due = db_now(probe).replace(microsecond=0) - timedelta(seconds=1)
+    olds = [twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(due), args=("old",)) for _ in range(3)]
+    olds[0][1].declare(list(olds[0][0].schedules))
+    declared_an_hour_ago(probe)
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=None, cron=daily_at(due), args=("new",))
+    barrier = threading.Barrier(len(olds) + 1)
+    errors: list[BaseException] = []
+
+    def run(step: Callable[[], object]) -> None:
+        try:
+            barrier.wait()
+            step()
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    steps = [lambda s=s, b=b: s.run_once(list(b.schedules)) for b, s in olds]
+    steps.append(lambda: new_scheduler.declare(list(new.schedules)))
+    threads = [threading.Thread(target=run, args=(step,)) for step in steps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    new_scheduler.run_once(list(new.schedules))
+    (message,) = messages(new)  # by one side or the other, never both
+    assert datetime.fromisoformat(message["options"]["tick"]) == due
+
+
+def stored_schedule(broker: PostgresBroker) -> str:
+    (row,) = [s for s in broker.stats()["schedules"] if s["name"] == "tick"]
+    return str(row["schedule"])
+
+
+def test_an_old_process_restarting_after_a_new_one_does_not_take_its_schedule_back(
+    dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    # Given a rolling deploy: the old code declared every 1 s, then the new code every 2 s
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=1)
+    old_scheduler.declare(list(old.schedules))
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=2)
+    new_scheduler.declare(list(new.schedules))
+    # When an old process starts again (a crash, a rescheduled pod) after the new ones
+    restarted = scheduler_of(old)
+    with caplog.at_level(logging.WARNING, logger="test.scheduler"):
+        restarted.declare(list(old.schedules))
+        for _ in range(10):
+            restarted.run_once(list(old.schedules))
+            new_scheduler.run_once(list(new.schedules))
+            threading.Event().wait(0.25)
+    # I expect the newer definition to stay, and only its processes to enqueue
+    assert stored_schedule(new) == "every 2s"
+    assert restarted.enqueued == 0 and new_scheduler.enqueued >= 1
+    assert all(datetime.fromisoformat(m["options"]["tick"]).second % 2 == 0 for m in messages(new))
+    assert any("out of date" in r.getMessage() for r in caplog.records)
+
+
+def fingerprint_of(broker: PostgresBroker) -> str:
+    scheduled = broker.schedules.get("tick")
+    assert scheduled is not None
+    return scheduled.fingerprint
+
+
+def test_a_newer_definition_nobody_declares_any_more_gives_way_to_an_older_one(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=1)
+    old_scheduler.declare(list(old.schedules))
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=2)
+    new_scheduler.declare(list(new.schedules))
+    old_scheduler.declare(list(old.schedules))
+    assert stored_schedule(new) == "every 2s"
+    # When the newer processes are gone for longer than STALE_AFTER (a rollback)
+    query(
+        new,
+        "UPDATE {schema}.schedule_version SET last_seen = now() - interval '1 hour' WHERE fingerprint = %s",
+        [fingerprint_of(new)],
+    )
+    old_scheduler.declare(list(old.schedules))
+    # I expect the older definition to take over and be enqueued
+    assert stored_schedule(old) == "every 1s"
+    wait_for(lambda: old_scheduler.run_once(list(old.schedules)) and old_scheduler.enqueued, what="an old tick")
+    # and the newer one to win again when its code comes back
+    new_scheduler.declare(list(new.schedules))
+    assert stored_schedule(new) == "every 2s"
+
+
+def test_a_higher_version_wins_whatever_order_the_definitions_were_first_declared_in(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, cli: Callable[..., Ran]
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    two, two_scheduler = twin(dramatiq_pg_broker_factory, schema, every=1, version=2)
+    two_scheduler.declare(list(two.schedules))
+    one, one_scheduler = twin(dramatiq_pg_broker_factory, schema, every=2, version=1)  # first seen later
+    one_scheduler.declare(list(one.schedules))
+    assert stored_schedule(one) == "every 1s"
+    three, three_scheduler = twin(dramatiq_pg_broker_factory, schema, every=3, version=3)
+    three_scheduler.declare(list(three.schedules))
+    two_scheduler.declare(list(two.schedules))
+    (row,) = three.stats()["schedules"]
+    assert (row["schedule"], row["version"], row["outdated"]) == ("every 3s", 3, True)
+    shown = cli(dramatiq_pg_url, schema, "schedules").stdout
+    assert "every 3s (version 3)" in shown and "an older definition is still declared" in shown
+
+
+def test_the_migration_knows_the_definitions_stored_before_it_as_older_ones(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=1)
+    old_scheduler.declare(list(old.schedules))
+    # Given a schema as migration 009 finds it: a stored definition, no order of definitions
+    query(old, "DELETE FROM {schema}.schedule_version")
+    (text,) = [text for version, _, text in migrations.available() if version == 9]
+    query(old, text)
+    query(old, text)  # safe to run twice
+    assert query(old, "SELECT name, fingerprint FROM {schema}.schedule_version") == [("tick", fingerprint_of(old))]
+    # When the new code declares, then an old process starts again
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=2)
+    new_scheduler.declare(list(new.schedules))
+    scheduler_of(old).declare(list(old.schedules))
+    # I expect the definition stored before the migration to count as the older one
+    assert stored_schedule(new) == "every 2s"
 
 
 class Ran(NamedTuple):
@@ -337,7 +549,7 @@ def test_stats_and_the_cli_show_each_schedule_its_last_and_next_tick_and_stale_o
     dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, cli: Callable[..., Ran]
 ) -> None:
     broker, scheduler = twin(dramatiq_pg_broker_factory, dramatiq_pg_broker_factory().schema, every=1)
-    scheduler.declare(list(broker.schedules), first=True)
+    scheduler.declare(list(broker.schedules))
     wait_for(lambda: scheduler.run_once(list(broker.schedules)) is not None and scheduler.enqueued, what="a tick")
     (row,) = broker.stats()["schedules"]
     (message,) = messages(broker)
@@ -366,6 +578,25 @@ def test_stats_and_the_cli_show_each_schedule_its_last_and_next_tick_and_stale_o
     scheduler.tick()
     (row,) = broker.stats()["schedules"]
     assert row["name"] == "tick" and not row["stale"]
+
+
+def test_forgetting_a_schedule_does_not_let_an_old_process_put_its_definition_back(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, cli: Callable[..., Ran]
+) -> None:
+    schema = dramatiq_pg_broker_factory().schema
+    old, old_scheduler = twin(dramatiq_pg_broker_factory, schema, every=1)
+    old_scheduler.declare(list(old.schedules))
+    new, new_scheduler = twin(dramatiq_pg_broker_factory, schema, every=2)
+    new_scheduler.declare(list(new.schedules))
+    # When an operator forgets the schedule and the old process declares first (its periodic declaration)
+    assert cli(dramatiq_pg_url, schema, "schedules", "--forget", "tick").returncode == 0
+    old_scheduler.declare(list(old.schedules))
+    old_scheduler.run_once(list(old.schedules))
+    # I expect the old definition not to come back, nor to be enqueued
+    assert [s["schedule"] for s in new.stats()["schedules"]] in ([], ["every 2s"])
+    assert old_scheduler.enqueued == 0
+    new_scheduler.declare(list(new.schedules))
+    assert stored_schedule(new) == "every 2s"
 
 
 def test_a_worker_runs_the_scheduler_and_its_actor_gets_each_tick(dramatiq_pg_broker_factory: Factory) -> None:
@@ -406,7 +637,7 @@ def test_the_standalone_scheduler_command_refuses_a_module_it_cannot_use(capsys:
 
 def test_a_pass_survives_a_broken_connection(dramatiq_pg_broker_factory: Factory) -> None:
     broker, scheduler = twin(dramatiq_pg_broker_factory, dramatiq_pg_broker_factory().schema, every=1)
-    scheduler.declare(list(broker.schedules), first=True)
+    scheduler.declare(list(broker.schedules))
     with broker.database.connection() as conn:
         pid = conn.info.backend_pid
     with psycopg.connect(broker.database.url, autocommit=True) as admin:

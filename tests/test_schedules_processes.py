@@ -1,10 +1,10 @@
-"""Three scheduler processes, one one-second schedule, no leader: exactly one message per tick.
+"""Scheduler processes, one one-second schedule, no leader: exactly one message per tick.
 
 Real OS processes (``dramatiq-pg-fenced scheduler tests.apps.schedule_app``),
 real signals: one is SIGKILLed midway, another paused with SIGSTOP for a few
-seconds and let go.  The messages are counted against the ticks of the
-window: every second between the first and the last tick has one message,
-no second has two.
+seconds and let go; in a rolling deploy, an old process starts again after the
+new ones.  The messages are counted against the ticks of the window: every
+second between the first and the last tick has one message, no second has two.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ APP = "tests.apps.schedule_app"
 
 
 @pytest.fixture
-def schedulers(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[[PostgresBroker], subprocess.Popen]]:
-    """``start(broker)``: a standalone scheduler process on *broker*'s schema (killed at teardown)."""
+def schedulers(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """``start(broker, **env)``: a standalone scheduler process on *broker*'s schema (killed at teardown)."""
     started: list[subprocess.Popen] = []
 
-    def start(broker: PostgresBroker) -> subprocess.Popen:
+    def start(broker: PostgresBroker, **env_vars: str) -> subprocess.Popen:
         env = dict(os.environ, DRAMATIQ_PG_URL=dramatiq_pg_url, DRAMATIQ_PG_SCHEMA=broker.schema, PYTHONUNBUFFERED="1")
+        env.update(env_vars)
         with open(tmp_path / f"scheduler-{len(started)}.log", "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dramatiq_pg_fenced.cli", "scheduler", APP],
@@ -70,7 +71,7 @@ def db_now(broker: PostgresBroker) -> datetime:
 
 def test_three_schedulers_one_killed_one_paused_enqueue_each_tick_exactly_once(
     dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
-    schedulers: Callable[[PostgresBroker], subprocess.Popen],
+    schedulers: Callable[..., subprocess.Popen],
 ) -> None:
     broker = dramatiq_pg_broker_factory()
     procs = [schedulers(broker) for _ in range(3)]
@@ -107,3 +108,43 @@ def test_three_schedulers_one_killed_one_paused_enqueue_each_tick_exactly_once(
     assert sorted(t for t, _ in recorded) == sorted(counts)
     (last_tick, last_message) = query(broker, "SELECT last_tick, last_message_id FROM {schema}.schedule")[0]
     assert last_tick == last and (last, last_message) in set(recorded)
+
+
+def labels_of(broker: PostgresBroker) -> dict[datetime, str]:
+    """The ``label`` each tick's message carries (which version of the code defined it)."""
+    rows = query(broker, "SELECT payload FROM {schema}.message UNION ALL SELECT payload FROM {schema}.history")
+    found = {}
+    for (payload,) in rows:
+        message = json.loads(bytes(payload))
+        found[datetime.fromisoformat(message["options"]["tick"])] = message["kwargs"].get("label", "")
+    return found
+
+
+def test_a_rolling_deploy_switches_to_the_new_definition_once_even_when_an_old_process_restarts_after_it(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+    schedulers: Callable[..., subprocess.Popen],
+) -> None:
+    broker = dramatiq_pg_broker_factory()
+    # Given two processes of the old code
+    olds = [schedulers(broker, SCHEDULE_LABEL="old") for _ in range(2)]
+    wait_for(lambda: len(ticks_of(broker)) >= 2, timeout=60, what="the old code's first ticks")
+    # When a process of the new code (other arguments) starts
+    schedulers(broker, SCHEDULE_LABEL="new")
+    wait_for(lambda: "new" in labels_of(broker).values(), timeout=60, what="the new code's first tick")
+    # and then an old process starts again (a crash, a rescheduled pod), after the new one
+    os.kill(olds[0].pid, signal.SIGKILL)
+    olds[0].wait()
+    restarted_at = db_now(broker)
+    schedulers(broker, SCHEDULE_LABEL="old")
+    time.sleep(6)
+    stopped_at = db_now(broker)
+
+    # I expect every tick once, none lost at the switch, and the old definition never back
+    counts = ticks_of(broker)
+    assert max(counts.values()) == 1, f"ticks enqueued twice: {[t for t, n in counts.items() if n > 1]}"
+    first, last = min(counts), max(counts)
+    assert len(counts) == int((last - first) / timedelta(seconds=1)) + 1, "a tick is missing"
+    labels = [label for _, label in sorted(labels_of(broker).items())]
+    switch = labels.index("new")
+    assert set(labels[:switch]) == {"old"} and set(labels[switch:]) == {"new"}, labels
+    assert [t for t in counts if restarted_at < t <= stopped_at]  # the restarted old process ran meanwhile

@@ -4,6 +4,8 @@
 The broker comes from ``DRAMATIQ_PG_URL`` and ``DRAMATIQ_PG_SCHEMA``.  ``beat``
 writes one ledger row per delivery (the tick it was sent for) when the test
 created ``{schema}.ledger``; the scheduler processes never run it.
+``SCHEDULE_LABEL``: a ``label`` keyword argument in the schedule's messages (two
+labels: two versions of the code, as in a rolling deploy).
 """
 
 import os
@@ -29,9 +31,12 @@ broker.add_middleware(CurrentMessage())
 dramatiq.set_broker(broker)
 
 
-@schedule(every=float(os.environ.get("SCHEDULE_EVERY", "1")))
+LABEL = os.environ.get("SCHEDULE_LABEL")
+
+
+@schedule(every=float(os.environ.get("SCHEDULE_EVERY", "1")), kwargs={"label": LABEL} if LABEL else None)
 @dramatiq.actor(max_retries=0)
-def beat() -> None:
+def beat(label: str = "") -> None:
     message = CurrentMessage.get_current_message()
     with broker.database.connection() as conn:
         conn.execute(INSERT, [message.options["tick"], os.getpid()])
