@@ -52,10 +52,18 @@ How it behaves, and why:
   barrier (a rate-limit ``decr``): with ``Results`` added after
   ``GroupCallbacks`` (as ``setup`` does; Dramatiq runs ``after_*`` hooks in
   reverse order, so the result is stored first), the completion callback
-  runs only after every member's result is committed.  Stored exceptions (Dramatiq stores them after the nack, once
-  retries are exhausted) go through the same writer right after the nack.
-- Without ``broker=``, every write happens at once in the calling thread,
-  with the same fence.
+  runs only after every member's result is committed.
+- **Stored exceptions** ride the nack that dead-letters their message, in its
+  transaction, only if it applies (``PostgresBroker.stored_exception``, for a
+  backend on the broker's schema, with ``broker=`` or a pool of its own).
+  Dramatiq's Results stores them in ``after_nack``, after the nack: written
+  apart, a fenced-out worker's error could become the outcome of a message the
+  rescuer dead-lettered.  Our ``store_exception`` then skips the message.
+- **A message that ended with nothing stored** (dead-lettered by the rescuer,
+  cancelled, an actor without ``store_results``) makes ``get_result`` raise
+  ``ResultFailure`` saying so, at once (``_ended``).
+- Without ``broker=``, every other write happens at once in the calling
+  thread, with the same fence.
 """
 
 from __future__ import annotations
