@@ -239,6 +239,8 @@ class Standby(OwnedServer):
 
     def __init__(self, primary: OwnedServer) -> None:  # not OwnedServer's: no initdb
         self.bin, self.user = primary.bin, primary.user
+        if not os.path.exists(os.path.join(self.bin, "pg_basebackup")):
+            pytest.skip(f"no pg_basebackup in {self.bin} for a standby of the test's own")
         # Not the primary's synchronous_standby_names: once promoted, it would wait for a standby forever.
         self.settings = {k: v for k, v in primary.settings.items() if k != "synchronous_standby_names"}
         self.datadir = tempfile.mkdtemp(prefix="dramatiq-pg-standby-")
