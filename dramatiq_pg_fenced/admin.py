@@ -120,11 +120,11 @@ def inspect(database: Database, statements: Statements, message_id: str) -> dict
     return info
 
 
-_HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_seconds", "last_error")
+_HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_seconds", "error", "last_error")
 
 
 def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
-    info = dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True))
+    info = _with_error(dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True)))
     info["message_id"] = str(info["message_id"])
     started, finished = info.get("claimed_at"), info.get("finished_at")
     info["ran_seconds"] = (finished - started).total_seconds() if started and finished else None
@@ -139,6 +139,55 @@ def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
         info["retries"] = None
         info["decode_error"] = str(e)
     return info
+
+
+# -- errors ------------------------------------------------------------------------
+_TRACEBACK = "Traceback (most recent call last):"
+#: Between the lines of an exception shown on one line.
+NEWLINE = " \u23ce "
+
+
+def error_summary(text: str | None, limit: int = 300) -> str:
+    """The exception a stored error names, on one line, type and message first: ``ValueError: boom``.
+
+    ``last_error`` holds Dramatiq's traceback (else the exception's repr, or a
+    note of ours such as "retry refused: ..." before the traceback).  The
+    exception is the run of unindented lines at the end of the last
+    traceback (its frames are indented): a message of several lines and its
+    notes included, joined with " ⏎ ".  A note of ours before the first
+    traceback follows it.  A text without a traceback is shown whole.  Longer
+    than *limit* characters: cut, ending with "…".
+    """
+    if not text:
+        return ""
+    lines = text.strip("\n").splitlines()
+    if _TRACEBACK not in lines:
+        shown = [line.strip() for line in lines if line.strip()]
+    else:
+        exception: list[str] = []
+        for line in reversed(lines):
+            if line[:1].isspace() or line == _TRACEBACK or _cut_note(line):
+                break
+            exception.append(line)
+        note = lines[: lines.index(_TRACEBACK)]
+        shown = [line for line in (*reversed(exception), *note) if line.strip()] or [lines[-1].strip()]
+    summary = NEWLINE.join(shown)
+    return summary if len(summary) <= limit else summary[: limit - 1] + "\u2026"
+
+
+def _cut_note(line: str) -> bool:
+    """The note left where a long text was cut (:func:`.delivery.storable_text`, a listed error)."""
+    return line.startswith("[... ") and line.endswith(" ...]")
+
+
+def _with_error(row: dict[str, Any]) -> dict[str, Any]:
+    """*row* with ``error`` (:func:`error_summary` of its ``last_error``) just before ``last_error``."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "last_error":
+            out["error"] = error_summary(value) or None
+        out[key] = value
+    return out
 
 
 # -- re-drive ----------------------------------------------------------------------
@@ -370,7 +419,7 @@ def list_messages(
         following, searched = edge, int(edge[-1])
     page = []
     for row in rows:
-        item = dict(zip(_LIST_COLUMNS, row[:-3], strict=True))
+        item = _with_error(dict(zip(_LIST_COLUMNS, row[:-3], strict=True)))
         item["message_id"] = str(item["message_id"])
         page.append(item)
     return Page(page, page_cursor(state, following) if following else None, searched)

@@ -14,6 +14,7 @@ quietly with 0.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -143,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")  # a terminal that cannot show a character: escaped, no crash
     if args.command == "scheduler":
         return _scheduler(args.module)
     try:
@@ -469,7 +472,7 @@ def list_table(rows: list[dict[str, Any]]) -> str:
             str(r["attempt"]),
             _when(r["enqueued_at"]),
             _when(r["finished_at"]),
-            ((r["last_error"] or "").strip().splitlines() or [""])[-1][:80],
+            admin.error_summary(r["last_error"], limit=80),
         ]
         for r in rows
     ]
@@ -493,7 +496,7 @@ def _columns(heads: list[str], rows: list[list[str]]) -> str:
 
 
 def _print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
+    json.dump(data, sys.stdout, indent=2, default=str, ensure_ascii=False)  # text as text: "café", not "caf\u00e9"
     sys.stdout.write("\n")
 
 

@@ -470,7 +470,7 @@ class Dashboard:
                 _time(r["at"], short=True),
                 _time(r["finished_at"], short=True),
                 _e(r["lease_holder"] or ""),
-                f"<span class=err>{_e((r['last_error'] or '').strip().splitlines()[-1:][0] if r['last_error'] else '')}</span>",
+                f"<span class=err>{_e(admin.error_summary(r['last_error'], limit=160))}</span>",
             ]
             for r in page.rows
         ]
@@ -522,7 +522,8 @@ class Dashboard:
             body += "<h2>Arguments</h2><pre id=args>" + _e(_json({"args": info["args"], "kwargs": info["kwargs"]}))
             body += "</pre><h2>Options</h2><pre>" + _e(_json(info["options"])) + "</pre>"
         if info["last_error"]:
-            body += f"<h2>Last error</h2><pre class=err>{_e(info['last_error'])}</pre>"
+            body += f"<h2>Last error</h2><p class=err id=error>{_e(info['error'])}</p>"
+            body += f"<pre class=err>{_e(info['last_error'])}</pre>"
         if info["history"]:
             heads = ["finished", "attempt", "holder", "ran"]
             rows = [[_time(h["finished_at"]), str(h["attempt"]), _e(h["lease_holder"] or ""), _age(h["ran_seconds"])]

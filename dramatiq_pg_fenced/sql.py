@@ -806,14 +806,29 @@ _TEMPLATES.update(
     }
 )
 
+#: A listed message's error is at most this many characters: its head and its
+#: tail (where a traceback names the exception) around a note of how much was
+#: cut (``inspect`` shows it whole).
+LISTED_ERROR_CHARS = 2000
+
+
+def _listed_error() -> str:
+    head, tail = LISTED_ERROR_CHARS // 4, LISTED_ERROR_CHARS - LISTED_ERROR_CHARS // 4
+    return (
+        f"CASE WHEN char_length(last_error) <= {LISTED_ERROR_CHARS} THEN last_error"
+        f" ELSE left(last_error, {head}) || chr(10) || '[... ' || (char_length(last_error) - {LISTED_ERROR_CHARS})"
+        f" || ' characters cut; inspect shows all ...]' || chr(10) || right(last_error, {tail}) END"
+    )
+
+
 # Pages of a queue's messages (no payload).  A page reads a window of at most
 # %(scan)s rows in index order from the cursor (the sort key of the last row
 # shown or searched), keeps those of %(actor)s (NULL: all) up to %(limit)s,
 # and returns the window's last row as its edge (edge = true, with how many
 # rows the window held): a filter that matches little never scans the queue
 # to its end, and the next page goes on from the edge.
-_LIST_COLUMNS = """message_id, actor_name, {state} AS state, attempt, priority, enqueued_at, {at} AS at,
-                   finished_at AS fin, consumer_id, right(last_error, 300) AS last_error, seq"""
+_LIST_COLUMNS = f"""message_id, actor_name, {{state}} AS state, attempt, priority, enqueued_at, {{at}} AS at,
+                   finished_at AS fin, consumer_id, {_listed_error()} AS last_error, seq"""
 
 
 def _page(table: str, at: str, where: str, order: str, reverse: str) -> str:

@@ -3,9 +3,11 @@ metrics, dashboard, compact; and how it behaves at its edges."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import traceback
 import urllib.request
 import uuid
 
@@ -288,3 +290,74 @@ def test_metrics_once_and_the_dashboard_command(dramatiq_pg_url, dramatiq_pg_bro
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+
+
+def _traceback_of(raise_it):
+    try:
+        raise_it()
+    except Exception:
+        return traceback.format_exc()
+    raise AssertionError("it did not raise")
+
+
+def _deep(n, error):
+    """Raise *error* from a chain of *n* earlier exceptions (each with its own traceback)."""
+    cause = None
+    for i in range(n):
+        try:
+            raise LookupError(f"link {i}") from cause
+        except LookupError as e:
+            cause = e
+    raise error from cause
+
+
+def test_lists_show_the_exception_first_cut_with_a_marker_and_text_stays_text(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("errs")
+    # Given dead letters whose tracebacks end with a message of two lines, a note, and a chain of 16 exceptions
+    multi, noted, deep = (
+        dramatiq.Message(queue_name="errs", actor_name="a", args=("café ☕",), kwargs={}, options={}) for _ in range(3)
+    )
+    broker.enqueue_many([multi, noted, deep])
+
+    def with_note():
+        e = KeyError("missing")
+        e.add_note("see the runbook")
+        raise e
+
+    errors = {
+        multi.message_id: _traceback_of(lambda: _deep(0, ValueError("boom\nsecond line"))),
+        noted.message_id: _traceback_of(with_note),
+        deep.message_id: _traceback_of(lambda: _deep(15, RuntimeError("naïve ☕ deep"))),
+    }
+    assert len(errors[deep.message_id]) > 3000
+    for message_id, text in errors.items():
+        query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now(), last_error = %s"
+              " WHERE message_id = %s", [text, message_id])  # fmt: skip
+
+    # When I list them, I expect the exception's type and message, not the traceback's last line
+    table = cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "errs")
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert "ValueError: boom" in rows[multi.message_id]
+    assert "KeyError: 'missing'" in rows[noted.message_id]
+    assert "RuntimeError: naïve ☕ deep" in rows[deep.message_id]
+
+    # In JSON: the exception first, then the text, cut in the middle with a marker, never from the front
+    data = json.loads(cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "errs", "--json").stdout)
+    by_id = {m["message_id"]: m for m in data["messages"]}
+    assert by_id[multi.message_id]["error"] == "ValueError: boom ⏎ second line"
+    assert by_id[noted.message_id]["error"] == "KeyError: 'missing' ⏎ see the runbook"
+    assert by_id[multi.message_id]["last_error"] == errors[multi.message_id]  # short: whole
+    long = by_id[deep.message_id]["last_error"]
+    assert long.startswith("Traceback (most recent call last):") and long.endswith("RuntimeError: naïve ☕ deep\n")
+    assert re.search(r"\[\.\.\. \d+ characters cut; inspect shows all \.\.\.\]", long)
+    assert list(by_id[deep.message_id]).index("error") < list(by_id[deep.message_id]).index("last_error")
+
+    # inspect keeps text as text (no \\u escapes), and names the exception first
+    shown = cli(dramatiq_pg_url, "--schema", schema, "inspect", deep.message_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "café ☕" in shown.stdout and "\\u" not in shown.stdout
+    info = json.loads(shown.stdout)
+    assert info["error"] == "RuntimeError: naïve ☕ deep" and info["last_error"] == errors[deep.message_id]

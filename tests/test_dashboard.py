@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import threading
+import traceback
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -350,3 +351,21 @@ def test_every_page_and_action_in_headless_chromium(
     # Metrics
     d.get(served + "/metrics")
     assert 'dramatiq_pg_messages{queue="emails",state="due"}' in d.find_element(By.TAG_NAME, "body").text
+
+
+def test_lists_and_pages_name_the_exception_first(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.declare_queue("errs")
+    m = dramatiq.Message(queue_name="errs", actor_name="x", args=("café",), kwargs={}, options={})
+    broker.enqueue(m)
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        text = traceback.format_exc()
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now(), last_error = %s"
+          " WHERE message_id = %s", [text, m.message_id])  # fmt: skip
+    app = dashboard_app(broker)
+    _, _, page = call(app, "/messages?queue=errs&state=dead")
+    assert "ValueError: boom ⏎ second line" in page
+    _, _, page = call(app, f"/message/{m.message_id}")
+    assert "<p class=err id=error>ValueError: boom ⏎ second line</p>" in page
