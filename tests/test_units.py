@@ -189,3 +189,18 @@ def test_statements_are_read_only_and_complete() -> None:
         Statements(**names)
     with pytest.raises(TypeError, match="unknown \\['nonsense'\\]"):
         Statements(**vars(bound), nonsense=b"SELECT 1")
+
+
+def test_an_error_summary_names_the_exception_first() -> None:
+    from dramatiq_pg_fenced.admin import error_summary
+
+    frames = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n'
+    assert error_summary(frames + "ValueError: boom\n") == "ValueError: boom"
+    assert error_summary(frames + "ValueError: boom\nsecond line\n") == "ValueError: boom ⏎ second line"
+    assert error_summary("retry refused: too large\n" + frames + "KeyError: 'k'\n") == (
+        "KeyError: 'k' ⏎ retry refused: too large"
+    )
+    # cut by storable_text between the frames: the tail still names it
+    assert error_summary(frames + "[... 70000 bytes cut here ...]\n  File 'b.py'\nOSError: gone") == "OSError: gone"
+    assert error_summary("ValueError('boom')") == "ValueError('boom')"  # no traceback: the text
+    assert error_summary(None) == "" and error_summary("x" * 500, limit=10) == "x" * 9 + "…"
