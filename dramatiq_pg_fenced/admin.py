@@ -448,17 +448,22 @@ _OVERVIEW_COLUMNS = (
 
 
 def overview(database: Database, statements: Statements, *, cap: int | None = None) -> list[dict[str, Any]]:
-    """Per queue: due, delayed, running (prefetched included: the database cannot
-    tell them apart), expired leases, dead, cancelled, outcomes of the last
-    minute and hour, stale writes (ever), age of the oldest due message,
-    paused since.  Counts stop at *cap* per priority (``None``: exact)."""
+    """Per queue: queued (``due`` now + ``delayed``: due later), running
+    (prefetched included: the database cannot tell them apart), expired
+    leases, dead, cancelled, outcomes of the last minute and hour, stale
+    writes (ever), age of the oldest due message, paused since.  Counts stop
+    at *cap* per priority (``None``: exact)."""
 
     def read(conn: psycopg.Connection) -> list[Any]:
         conn.execute(statements.no_jit)
         return conn.execute(statements.overview, {"cap": cap}).fetchall()
 
     rows = database.run(read, transaction=True)
-    return [dict(zip(_OVERVIEW_COLUMNS, row, strict=True)) for row in rows]
+    queues = []
+    for row in rows:
+        figures = dict(zip(_OVERVIEW_COLUMNS, row, strict=True))
+        queues.append({"queue": figures.pop("queue"), "queued": figures["due"] + figures["delayed"], **figures})
+    return queues
 
 
 def counters(database: Database, statements: Statements) -> dict[str, int]:

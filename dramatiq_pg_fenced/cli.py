@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("message_id")
     cancel.add_argument("--seen", metavar="VERSION", help=seen_help)
     command("inspect", "a message's state, attempt, lease, timing and last error (JSON)").add_argument("message_id")
-    stats = command("stats", "per queue: due, delayed, running, dead, cancelled, done, oldest due, expired leases")
+    stats = command(
+        "stats", "per queue: queued (delayed: due later), running, dead, cancelled, done, oldest due, expired leases"
+    )
     stats.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
     listing = command("list", "list a queue's messages in one state (default: its dead letters, newest first)")
     listing.add_argument("--queue", required=True)
@@ -408,7 +410,7 @@ def _dashboard_auth(path: str | None) -> str | None:
 
 # -- output ----------------------------------------------------------------------------
 _STATS_HEADS = (
-    ("queue", "queue"), ("paused", "paused_since"), ("due", "due"), ("delayed", "delayed"),
+    ("queue", "queue"), ("paused", "paused_since"), ("queued", "queued"), ("delayed", "delayed"),
     ("running", "running"), ("expired", "expired_leases"), ("dead", "dead"), ("cancelled", "cancelled"),
     ("done/1m", "done_last_minute"), ("done/1h", "done_last_hour"), ("dead/1h", "dead_last_hour"),
     ("stale", "stale_writes"), ("oldest due", "oldest_due_seconds"),
@@ -431,7 +433,7 @@ def stats_table(queues: list[dict[str, Any]], totals: dict[str, int]) -> str:
     table = _columns([h for h, _ in _STATS_HEADS], rows) if rows else "no messages in any queue"
     footer = (
         f"stale writes: {totals.get('stale_writes', 0)}   redeliveries: {totals.get('redeliveries', 0)}"
-        "   (running includes prefetched messages)"
+        "   (queued includes delayed: due later; running includes prefetched messages)"
     )
     return f"{table}\n{footer}"
 

@@ -382,7 +382,7 @@ class Dashboard:
     # -- pages -------------------------------------------------------------------
     def queues_page(self, query: dict[str, str]) -> str:
         queues = admin.overview(self.database, self.statements, cap=COUNT_CAP + 1)
-        heads = ["queue", "due", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
+        heads = ["queue", "queued", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
                  "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
         rows = []
         for q in queues:
@@ -404,7 +404,7 @@ class Dashboard:
                 )
             cells = [
                 f'<a href="{link}">{_e(name)}</a>{paused}',
-                _count(q["due"]),
+                _count(q["queued"]),
                 _count(q["delayed"]),
                 _count(q["running"]),
                 _count(q["expired_leases"]),
@@ -419,7 +419,7 @@ class Dashboard:
             ]
             rows.append(cells)
         table = _table(heads, rows, cls="queues") if rows else "<p>No messages in any queue.</p>"
-        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Running includes prefetched messages.</p>"
+        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Queued includes delayed messages (due later); running includes prefetched ones.</p>"
         return self.layout("Queues", _note(query) + table + note)
 
     def messages_page(self, query: dict[str, str]) -> str:

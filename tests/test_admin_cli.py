@@ -183,7 +183,7 @@ def test_stats_is_a_table_for_people_and_json_for_scripts(dramatiq_pg_url, drama
     table = cli(dramatiq_pg_url, "--schema", broker.schema, "stats")
     assert table.returncode == 0, table.stderr
     head, row, footer = table.stdout.strip().splitlines()
-    assert head.split()[:5] == ["queue", "paused", "due", "delayed", "running"]
+    assert head.split()[:5] == ["queue", "paused", "queued", "delayed", "running"]
     assert row.split()[:3] == ["mail", "yes", "1"]
     assert footer.startswith("stale writes: 0   redeliveries: 0")
     data = json.loads(cli(dramatiq_pg_url, "--schema", broker.schema, "stats", "--json").stdout)
@@ -272,7 +272,7 @@ def test_metrics_once_and_the_dashboard_command(dramatiq_pg_url, dramatiq_pg_bro
     broker.enqueue(dramatiq.Message(queue_name="m", actor_name="a", args=(), kwargs={}, options={}))
     shown = cli(dramatiq_pg_url, "--schema", broker.schema, "metrics", "--once")
     assert shown.returncode == 0, shown.stderr
-    assert 'dramatiq_pg_messages{queue="m",state="due"} 1.0' in shown.stdout
+    assert 'dramatiq_pg_messages{queue="m",state="queued"} 1.0' in shown.stdout
     assert "# TYPE dramatiq_pg_stale_writes_total counter" in shown.stdout
 
     proc = subprocess.Popen(
@@ -361,3 +361,30 @@ def test_lists_show_the_exception_first_cut_with_a_marker_and_text_stays_text(dr
     assert "café ☕" in shown.stdout and "\\u" not in shown.stdout
     info = json.loads(shown.stdout)
     assert info["error"] == "RuntimeError: naïve ☕ deep" and info["last_error"] == errors[deep.message_id]
+
+
+def test_one_vocabulary_of_states_in_stats_metrics_lists_and_inspect(dramatiq_pg_url, dramatiq_pg_broker):
+    """States are queued, running, dead, cancelled, done everywhere; 'delayed' is the part of 'queued' due later."""
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("v")
+    now, later = (dramatiq.Message(queue_name="v", actor_name="a", args=(), kwargs={}, options={}) for _ in range(2))
+    broker.enqueue(now)
+    broker.enqueue(later, delay=600_000)
+    states = {"queued", "running", "dead", "cancelled", "done"}
+
+    (q,) = json.loads(cli(dramatiq_pg_url, "--schema", schema, "stats", "--json").stdout)["queues"]
+    assert (q["queued"], q["due"], q["delayed"]) == (2, 1, 1)
+    head = cli(dramatiq_pg_url, "--schema", schema, "stats").stdout.splitlines()[0].split()
+    assert head[:5] == ["queue", "paused", "queued", "delayed", "running"]
+
+    metrics = cli(dramatiq_pg_url, "--schema", schema, "metrics", "--once").stdout
+    labels = set(re.findall(r'dramatiq_pg_messages\{queue="v",state="(\w+)"\}', metrics))
+    assert labels == {"queued", "running", "dead", "cancelled"}
+    assert 'dramatiq_pg_messages{queue="v",state="queued"} 2.0' in metrics
+    assert 'dramatiq_pg_delayed_messages{queue="v"} 1.0' in metrics
+
+    listed = json.loads(cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "v", "--state", "queued",
+                            "--json").stdout)["messages"]  # fmt: skip
+    assert {m["state"] for m in listed} == {"queued"} and len(listed) == 2
+    assert json.loads(cli(dramatiq_pg_url, "--schema", schema, "inspect", later.message_id).stdout)["state"] in states

@@ -150,7 +150,7 @@ def test_metrics_page_and_unknown_pages(dramatiq_pg_broker: PostgresBroker) -> N
     app = dashboard_app(broker)
     status, headers, body = call(app, "/metrics")
     assert status == "200 OK" and headers["Content-Type"].startswith("text/plain")
-    assert 'dramatiq_pg_messages{queue="emails",state="due"} 1.0' in body
+    assert 'dramatiq_pg_messages{queue="emails",state="queued"} 1.0' in body
     assert "dramatiq_pg_up 1.0" in body
     assert call(app, "/nowhere")[0].startswith("404")
     assert call(app, "/message/not-a-uuid")[0].startswith("400")
@@ -281,7 +281,7 @@ def test_every_page_and_action_in_headless_chromium(
     }
     assert set(rows) == {"emails", "reports"}
     cells = [c.text for c in rows["emails"].find_elements(By.TAG_NAME, "td")]
-    assert cells[1:7] == ["2", "0", "0", "0", "1", "1"]  # due, delayed, running, expired, dead, cancelled
+    assert cells[1:7] == ["2", "0", "0", "0", "1", "1"]  # queued, delayed, running, expired, dead, cancelled
     assert cells[8] == "1"  # done in the last hour
     shot = tmp_path / "dashboard.png"
     d.save_screenshot(str(shot))
@@ -350,7 +350,7 @@ def test_every_page_and_action_in_headless_chromium(
 
     # Metrics
     d.get(served + "/metrics")
-    assert 'dramatiq_pg_messages{queue="emails",state="due"}' in d.find_element(By.TAG_NAME, "body").text
+    assert 'dramatiq_pg_messages{queue="emails",state="queued"}' in d.find_element(By.TAG_NAME, "body").text
 
 
 def test_lists_and_pages_name_the_exception_first(dramatiq_pg_broker: PostgresBroker) -> None:

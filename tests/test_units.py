@@ -136,7 +136,7 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     from dramatiq_pg_fenced.metrics import families
 
     queue = {
-        "queue": "mail", "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
+        "queue": "mail", "queued": 4, "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
         "done_last_minute": 5, "done_last_hour": 50, "dead_last_hour": 2, "stale_writes": 5,
         "oldest_due_seconds": 12.5,
         "paused_since": None,
@@ -149,7 +149,8 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Fixed())
     text = generate_latest(registry).decode()
-    assert 'dramatiq_pg_messages{queue="mail",state="due"} 3.0' in text
+    assert 'dramatiq_pg_messages{queue="mail",state="queued"} 4.0' in text
+    assert 'dramatiq_pg_delayed_messages{queue="mail"} 1.0' in text
     assert 'dramatiq_pg_messages{queue="mail",state="dead"} 4.0' in text
     assert 'dramatiq_pg_oldest_due_age_seconds{queue="mail"} 12.5' in text
     assert 'dramatiq_pg_queue_paused{queue="mail"} 0.0' in text
