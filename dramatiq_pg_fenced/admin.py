@@ -294,6 +294,45 @@ def _finished_states(states: Iterable[str]) -> list[str]:
 
 # -- queues ------------------------------------------------------------------------
 PURGEABLE = ("queued", "dead", "cancelled", "done")
+#: Known queues named in an error at most.
+NAMED_QUEUES = 30
+
+
+class UnknownQueue(ValueError):
+    """An operator's action named a queue nothing knows of (a typo would otherwise act on a phantom queue)."""
+
+
+def known_queues(database: Database, statements: Statements) -> list[str]:
+    """The queues the database knows of, sorted: those with messages in any state, with history, with
+    outcomes in the last two hours, paused, or enqueued into by a schedule."""
+    return [r[0] for r in database.run(lambda conn: conn.execute(statements.known_queues).fetchall())]
+
+
+def check_known(
+    database: Database, statements: Statements, queue_name: str, *, declared: Iterable[str] = (), hint: str = ""
+) -> str:
+    """*queue_name*, if the database knows it (:func:`known_queues`) or it is among *declared* (the
+    queues of a broker's actors); :class:`UnknownQueue` naming the known ones otherwise (*hint*: how
+    to act on it anyway)."""
+    check_queue(queue_name)
+    declared = set(declared)
+    if queue_name in declared:
+        return queue_name
+    known = sorted(declared.union(known_queues(database, statements)))
+    if queue_name in known:
+        return queue_name
+    raise unknown_queue(queue_name, known, hint)
+
+
+def unknown_queue(queue_name: str, known: list[str], hint: str = "") -> UnknownQueue:
+    """The error for *queue_name*, not among *known*."""
+    names = ", ".join(known[:NAMED_QUEUES])
+    if len(known) > NAMED_QUEUES:
+        names += f" and {len(known) - NAMED_QUEUES} more"
+    return UnknownQueue(
+        f"no queue {queue_name!r}: no message, history, pause or schedule names it "
+        f"(known: {names or 'none'}){'; ' + hint if hint else ''}"
+    )
 
 
 def purge_queue(database: Database, statements: Statements, queue_name: str, states: Iterable[str]) -> dict[str, int]:
@@ -543,12 +582,13 @@ def _vacuum_full(conn: psycopg.Connection, statements: Statements, table: str, l
 
 class OperatorMethods:
     """What operators do, as methods of :class:`~.broker.PostgresBroker` (a mixin: it needs the
-    broker's ``database``, ``statements``, ``channel`` and ``listen``)."""
+    broker's ``database``, ``statements``, ``channel``, ``listen`` and declared ``queues``)."""
 
     database: Database
     statements: Statements
     channel: str
     listen: bool
+    queues: set[str]
 
     def cancel(self, message_id: str, *, seen: str | None = None) -> CancelOutcome:
         """Cancel a message so it never runs (again).
@@ -583,27 +623,41 @@ class OperatorMethods:
 
     def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
         """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
+        self._known(queue_name)
         return redrive_queue(self.database, self.statements, queue_name, states, self._ring)
 
     def purge_queue(
         self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
     ) -> dict[str, int]:
         """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
+        self._known(queue_name)
         return purge_queue(self.database, self.statements, queue_name, states)
 
-    def pause(self, queue_name: str) -> bool:
-        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
+    def pause(self, queue_name: str, *, create: bool = False) -> bool:
+        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish.
+
+        A queue neither the database nor this broker's actors know of is refused
+        (:class:`.admin.UnknownQueue`) unless *create*: paused ahead of its first message.
+        """
+        if not create:
+            self._known(queue_name, hint="pause(queue, create=True) pauses a queue before its first message")
         return pause(self.database, self.statements, queue_name)
 
     def resume(self, queue_name: str) -> bool:
         """Undo :meth:`pause`; consumers are woken at once."""
+        self._known(queue_name)
         return resume(self.database, self.statements, queue_name, self._ring)
 
     def list_messages(
         self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
     ) -> Page:
         """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
+        self._known(queue_name)
         return list_messages(self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit)
+
+    def _known(self, queue_name: str, hint: str = "") -> None:
+        """Refuse a queue nothing knows of (:func:`.admin.check_known`); this broker's declared queues are known."""
+        check_known(self.database, self.statements, queue_name, declared=self.queues, hint=hint)
 
     def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
         """Per queue: the operator's figures (see :func:`.admin.overview`)."""

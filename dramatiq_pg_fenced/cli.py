@@ -6,7 +6,7 @@ administers the database side.  Options go before or after the command.
 Exit codes: 0 done; 1 the thing asked for did not apply (no such message,
 nothing to cancel or re-drive, a queue already paused); 2 bad usage (an
 unknown option, a message id that is not a UUID, a bad queue or schema
-name); 3 the database failed (unreachable, refused the statement, schema
+name, a queue nothing knows of); 3 the database failed (unreachable, refused the statement, schema
 missing or out of date).  Output cut short by a closed pipe (``| head``) ends
 quietly with 0.
 """
@@ -102,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument(
         "module", help="the module that declares the broker, its actors and schedules (as for dramatiq)"
     )
-    command("pause", "consumers stop claiming from a queue (survives restarts)").add_argument("queue")
+    pause = command("pause", "consumers stop claiming from a queue (survives restarts)")
+    pause.add_argument("queue")
+    pause.add_argument("--create", action="store_true", help="pause a queue no message, pause or schedule names yet")
     command("resume", "consumers claim from a paused queue again").add_argument("queue")
     command("compact", "give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)")
     metrics = command("metrics", "serve Prometheus metrics of the queues (or print them once)")
@@ -201,6 +203,11 @@ def _fail(text: str, code: int) -> int:
 def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> int:
     db, st, ring = broker.database, broker.statements, broker.channel  # NOTIFY works without LISTEN
     command = args.command
+    queue = getattr(args, "queue", None) if command in _QUEUE_COMMANDS else None
+    if queue is not None and not getattr(args, "create", False):
+        # A typo must not pause (or list, purge...) a phantom queue: exit 2, naming the known ones.
+        hint = "pause --create pauses a queue before its first message" if command == "pause" else ""
+        admin.check_known(db, st, queue, hint=hint)
     if command == "migrate":
         applied = broker.migrate()
         done = ", ".join(map(str, applied)) if applied else "nothing to do"
@@ -290,6 +297,10 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "dashboard":
         return _dashboard(broker, args)
     raise AssertionError(command)
+
+
+#: The commands that name a queue (refused for a queue nothing knows of).
+_QUEUE_COMMANDS = ("list", "redrive", "purge", "pause", "resume")
 
 
 def _scheduler(module: str) -> int:

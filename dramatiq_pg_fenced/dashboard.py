@@ -325,6 +325,8 @@ class Dashboard:
         ring, db, st = self.ring, self.database, self.statements
         # A message's buttons carry the version its page showed: they act on that row only.
         message_id, seen = form.get("message_id", ""), form.get("seen") or None
+        if action in ("pause", "resume", "purge", "redrive_queue"):
+            admin.check_known(db, st, form.get("queue", ""))  # never a phantom queue (400, naming the known ones)
         if action == "cancel":
             outcome = admin.cancel(db, st, message_id, channel=self.settings.channel, seen=seen)
             note = f"cancel: {outcome.value}"
@@ -426,11 +428,11 @@ class Dashboard:
         queue = query.get("queue", "")
         state = query.get("state", "queued")
         actor = query.get("actor", "").strip()
-        names = [q["queue"] for q in admin.overview(self.database, self.statements, cap=1)]
+        names = admin.known_queues(self.database, self.statements)
         if not queue and names:
             queue = names[0]
         if queue and queue not in names:
-            names.append(queue)
+            raise HTTPError("404 Not Found", str(admin.unknown_queue(check_queue(queue), names)))
         options = "".join(f"<option{' selected' if n == queue else ''}>{_e(n)}</option>" for n in names)
         states = "".join(f"<option{' selected' if s == state else ''}>{s}</option>" for s in admin.LISTABLE)
         form = (

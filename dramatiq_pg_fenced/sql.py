@@ -644,6 +644,18 @@ _TEMPLATES.update(
 FINISHED_STATES = ("dead", "cancelled")
 
 
+def _loose_scan(name: str, table: str, where: str) -> str:
+    """A recursive CTE *name*(name): the distinct queue names of *table*'s rows matching *where*, one
+    index probe per queue (a loose index scan; a trailing NULL row ends it)."""
+    return f"""{name}(name) AS (
+                (SELECT queue_name FROM {table} WHERE {where} ORDER BY queue_name LIMIT 1)
+                UNION ALL
+                SELECT (SELECT m.queue_name FROM {table} AS m
+                         WHERE {where} AND m.queue_name > {name}.name ORDER BY m.queue_name LIMIT 1)
+                  FROM {name} WHERE {name}.name IS NOT NULL
+            )"""
+
+
 def _capped_count(where: str) -> str:
     # ORDER BY the finished index's column: an index scan that stops at the cap,
     # never a sequential scan that hopes to meet matching rows early.
@@ -752,6 +764,25 @@ _TEMPLATES.update(
                    WHERE pr.p IS NOT NULL
               ) AS depth ON true
              ORDER BY q.name
+        """,
+        # Every queue the database knows of, for refusing an operator's action on
+        # a queue nothing names (a typo would otherwise pause a phantom queue):
+        # one with messages in any state (loose index scans of the claim, finished
+        # and lease indexes), with history (its index), with outcomes in the
+        # throughput tallies (two hours), paused, or enqueued into by a schedule.
+        "known_queues": f"""
+            WITH RECURSIVE
+            {_loose_scan("queued", "{schema}.message", "state = 'queued'")},
+            {_loose_scan("finished", "{schema}.message", "state IN ('dead', 'cancelled')")},
+            {_loose_scan("kept", "{schema}.history", "true")}
+            SELECT name FROM queued WHERE name IS NOT NULL
+            UNION SELECT name FROM finished WHERE name IS NOT NULL
+            UNION SELECT name FROM kept WHERE name IS NOT NULL
+            UNION SELECT queue_name FROM {{schema}}.message WHERE lease_expires_at IS NOT NULL AND state = 'running'
+            UNION SELECT queue_name FROM {{schema}}.throughput
+            UNION SELECT queue_name FROM {{schema}}.paused_queue
+            UNION SELECT queue_name FROM {{schema}}.schedule
+            ORDER BY 1
         """,
         # The overview's plan looks costly to the planner (it cannot know the
         # counts stop early), which then spends 0.7 s compiling it with JIT for
@@ -1242,6 +1273,7 @@ class Statements:
     pause: bytes
     resume: bytes
     paused: bytes
+    known_queues: bytes
     redrive_read: bytes
     redrive: bytes
     redrive_ids_dead: bytes

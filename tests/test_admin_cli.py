@@ -388,3 +388,35 @@ def test_one_vocabulary_of_states_in_stats_metrics_lists_and_inspect(dramatiq_pg
                             "--json").stdout)["messages"]  # fmt: skip
     assert {m["state"] for m in listed} == {"queued"} and len(listed) == 2
     assert json.loads(cli(dramatiq_pg_url, "--schema", schema, "inspect", later.message_id).stdout)["state"] in states
+
+
+def test_operator_actions_on_an_unknown_queue_are_refused_with_the_known_ones(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("mail")
+    broker.enqueue(dramatiq.Message(queue_name="mail", actor_name="a", args=(), kwargs={}, options={}))
+    query(broker, "INSERT INTO {schema}.paused_queue (queue_name) VALUES ('held')")
+    # When I act on a queue the database knows nothing of, I expect exit 2, naming the known queues
+    for command in (
+        ["pause", "nosuchqueue"],
+        ["resume", "nosuchqueue"],
+        ["purge", "--queue", "nosuchqueue", "--yes"],
+        ["redrive", "--queue", "nosuchqueue"],
+        ["list", "--queue", "nosuchqueue"],
+    ):
+        refused = cli(dramatiq_pg_url, "--schema", schema, *command)
+        assert refused.returncode == 2, (command, refused)
+        assert refused.stdout == ""
+        assert "no queue 'nosuchqueue'" in refused.stderr and "known: held, mail" in refused.stderr, refused.stderr
+    pause = cli(dramatiq_pg_url, "--schema", schema, "pause", "nosuchqueue")
+    assert "--create" in pause.stderr
+    # ... and no phantom queue in stats or metrics
+    stats = json.loads(cli(dramatiq_pg_url, "--schema", schema, "stats", "--json").stdout)
+    assert [q["queue"] for q in stats["queues"]] == ["held", "mail"]
+    assert "nosuchqueue" not in cli(dramatiq_pg_url, "--schema", schema, "metrics", "--once").stdout
+
+    # pause --create pauses a queue ahead of its first message; then it is known
+    created = cli(dramatiq_pg_url, "--schema", schema, "pause", "--create", "later")
+    assert created.returncode == 0 and created.stdout.strip() == "later: paused", created
+    assert cli(dramatiq_pg_url, "--schema", schema, "resume", "later").returncode == 0
+    assert cli(dramatiq_pg_url, "--schema", schema, "resume", "mail").returncode == 1  # known, not paused

@@ -115,6 +115,7 @@ def test_processes_given_one_secret_accept_each_others_forms(dramatiq_pg_broker:
     other = dashboard_app(broker, actions=True, secret="t")
     assert one.token == two.token != other.token
     assert dashboard_app(broker).token != dashboard_app(broker).token  # no secret: one per app
+    broker.enqueue(dramatiq.Message(queue_name="q", actor_name="x", args=(), kwargs={}, options={}))
     assert call(two, "/action", "POST", {"token": one.token, "action": "pause", "queue": "q"})[0] == "303 See Other"
     assert call(other, "/action", "POST", {"token": one.token, "action": "resume", "queue": "q"})[0].startswith("403")
 
@@ -369,3 +370,16 @@ def test_lists_and_pages_name_the_exception_first(dramatiq_pg_broker: PostgresBr
     assert "ValueError: boom ⏎ second line" in page
     _, _, page = call(app, f"/message/{m.message_id}")
     assert "<p class=err id=error>ValueError: boom ⏎ second line</p>" in page
+
+
+def test_actions_on_an_unknown_queue_are_refused(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.enqueue(dramatiq.Message(queue_name="mail", actor_name="x", args=(), kwargs={}, options={}))
+    app = dashboard_app(broker, actions=True)
+    for action in ("pause", "resume", "purge", "redrive_queue"):
+        form = {"token": app.token, "action": action, "queue": "nosuchqueue", "confirm": "yes", "state": "dead"}
+        status, _, page = call(app, "/action", "POST", form)
+        assert status.startswith("400") and "no queue &#x27;nosuchqueue&#x27;" in page and "known: mail" in page
+    assert query(broker, "SELECT count(*) FROM {schema}.paused_queue") == [(0,)]
+    status, _, page = call(app, "/messages?queue=nosuchqueue&state=dead")
+    assert status.startswith("404") and "known: mail" in page
