@@ -259,15 +259,23 @@ def redrive(
 
 
 def redrive_queue(
-    database: Database, statements: Statements, queue_name: str, states: Iterable[str], channel: str | None
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    channel: str | None,
+    *,
+    actor: str | None = None,
 ) -> Redriven:
-    """Re-drive every dead (and/or cancelled) message of a queue, oldest first, a batch at a time."""
+    """Re-drive every dead (and/or cancelled) message of a queue (of *actor* only, if given), oldest
+    first, a batch at a time."""
     check_queue(queue_name)
     total = Redriven()
     for state in _finished_states(states):
         select = getattr(statements, f"redrive_ids_{state}")
         while True:
-            rows = _fetch(database, select, [queue_name, list(total.skipped), BATCH])
+            params = {"queue": queue_name, "skip": list(total.skipped), "actor": actor or None, "limit": BATCH}
+            rows = _fetch(database, select, params)
             if not rows:
                 break
             step = redrive(database, statements, [str(r[0]) for r in rows], channel)
@@ -278,10 +286,6 @@ def redrive_queue(
 
 def _fetch(database: Database, statement: bytes, params: Any) -> list[Any]:
     return database.run(lambda conn: conn.execute(statement, params).fetchall())
-
-
-def _rowcount(database: Database, statement: bytes, params: Any) -> int:
-    return database.run(lambda conn: conn.execute(statement, params).rowcount)
 
 
 def _finished_states(states: Iterable[str]) -> list[str]:
@@ -335,22 +339,37 @@ def unknown_queue(queue_name: str, known: list[str], hint: str = "") -> UnknownQ
     )
 
 
-def purge_queue(database: Database, statements: Statements, queue_name: str, states: Iterable[str]) -> dict[str, int]:
-    """Delete a queue's messages in the given states, in bounded batches; never a running one.
+def purge_queue(
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    *,
+    actor: str | None = None,
+    ids: list[str] | None = None,
+) -> dict[str, int]:
+    """Delete a queue's messages in the given states (of *actor* only, if given), in bounded batches;
+    never a running one.
 
-    ``done`` is the queue's history.  Returns rows deleted per state.
+    ``done`` is the queue's history.  Returns rows deleted per state; the ids
+    deleted are appended to *ids* when given.
     """
     check_queue(queue_name)
-    deleted: dict[str, int] = {}
+    states = list(states)
     for state in states:
         if state not in PURGEABLE:
             raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
+    deleted: dict[str, int] = {}
+    params = {"queue": queue_name, "actor": actor or None, "limit": BATCH}
+    for state in states:
         statement = getattr(statements, f"purge_queue_{state}")
         deleted[state] = 0
         while True:
-            n = _rowcount(database, statement, [queue_name, BATCH])
-            deleted[state] += max(n, 0)
-            if n < BATCH:
+            rows = _fetch(database, statement, params)
+            deleted[state] += len(rows)
+            if ids is not None:
+                ids.extend(str(r[0]) for r in rows)
+            if len(rows) < BATCH:
                 break
     return deleted
 
@@ -621,17 +640,24 @@ class OperatorMethods:
         shown = None if seen is None else {message_id: seen}
         return bool(redrive(self.database, self.statements, [message_id], self._ring, seen=shown).redriven)
 
-    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
-        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
+    def redrive_queue(
+        self, queue_name: str, states: tuple[str, ...] = ("dead",), *, actor: str | None = None
+    ) -> Redriven:
+        """Re-drive every dead (or, with ``states``, cancelled) message of a queue (of *actor* only, if given)."""
         self._known(queue_name)
-        return redrive_queue(self.database, self.statements, queue_name, states, self._ring)
+        return redrive_queue(self.database, self.statements, queue_name, states, self._ring, actor=actor)
 
     def purge_queue(
-        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
+        self,
+        queue_name: str,
+        states: tuple[str, ...] = ("queued", "dead", "cancelled", "done"),
+        *,
+        actor: str | None = None,
     ) -> dict[str, int]:
-        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
+        """Delete a queue's messages in *states* (``done``: its history; of *actor* only, if given), in
+        bounded batches; never running ones."""
         self._known(queue_name)
-        return purge_queue(self.database, self.statements, queue_name, states)
+        return purge_queue(self.database, self.statements, queue_name, states, actor=actor)
 
     def pause(self, queue_name: str, *, create: bool = False) -> bool:
         """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish.

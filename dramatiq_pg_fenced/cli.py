@@ -18,6 +18,7 @@ import io
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--queue", required=True)
     purge.add_argument("--state", choices=admin.PURGEABLE, help="only this state (default: all of them)")
     purge.add_argument("--yes", action="store_true", help="required: this deletes messages")
+    for bulk in (redrive, purge):
+        bulk.add_argument("--actor", help="with --queue: only this actor's messages")
+        bulk.add_argument("--verbose", action="store_true", help="with --queue: print every message id, not a count")
     listed = command("schedules", "every schedule: when it ticks, its last tick and message, its next tick, stale ones")
     listed.add_argument("--json", action="store_true")
     listed.add_argument("--forget", metavar="NAME", help="remove a stale schedule's row (a removed schedule)")
@@ -263,22 +267,32 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
             raise ValueError("give message ids or --queue, one of the two")
         if args.seen is not None and len(ids) != 1:
             raise ValueError("--seen is the version of one message: give one MESSAGE_ID")
+        if args.actor and not args.queue:
+            raise ValueError("--actor goes with --queue")
         if args.queue:
             again = FINISHED_STATES if args.state == "all" else (args.state,)
-            result = admin.redrive_queue(db, st, args.queue, again, ring)
+            result = admin.redrive_queue(db, st, args.queue, again, ring, actor=args.actor)
         else:
             result = admin.redrive(db, st, ids, ring, seen=None if args.seen is None else {ids[0]: args.seen})
-        for message_id in result.redriven:
-            print(f"redriven {message_id}")
-        for message_id, why in result.skipped.items():
-            print(f"skipped {message_id}: {why}", file=sys.stderr)
-        print(f"{len(result.redriven)} re-driven, {len(result.skipped)} skipped", file=sys.stderr)
+        # Ids named on the command line are answered one by one; a whole queue's, counted (--verbose: listed).
+        one_by_one = not args.queue or args.verbose
+        if one_by_one:
+            for message_id in result.redriven:
+                print(f"redriven {message_id}")
+        _skipped(result.skipped, one_by_one)
+        print(
+            f"{len(result.redriven)} re-driven, {len(result.skipped)} skipped",
+            file=sys.stdout if args.queue else sys.stderr,
+        )
         return OK if result.redriven or (args.queue and not result.skipped) else NOT_APPLIED
     if command == "purge":
         if not args.yes:
             raise ValueError("purge deletes messages: add --yes")
         purged = (args.state,) if args.state else admin.PURGEABLE
-        deleted = admin.purge_queue(db, st, args.queue, purged)
+        gone: list[str] | None = [] if args.verbose else None
+        deleted = admin.purge_queue(db, st, args.queue, purged, actor=args.actor, ids=gone)
+        for message_id in gone or ():
+            print(f"deleted {message_id}")
         print(", ".join(f"{state} {n}" for state, n in deleted.items()))
         return OK
     if command in ("pause", "resume"):
@@ -301,6 +315,16 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
 
 #: The commands that name a queue (refused for a queue nothing knows of).
 _QUEUE_COMMANDS = ("list", "redrive", "purge", "pause", "resume")
+
+
+def _skipped(skipped: dict[str, str], one_by_one: bool) -> None:
+    """On stderr: each message not re-driven and why, or (a whole queue's) how many for each reason."""
+    if one_by_one:
+        for message_id, why in skipped.items():
+            print(f"skipped {message_id}: {why}", file=sys.stderr)
+        return
+    for why, n in Counter(skipped.values()).most_common():
+        print(f"skipped {n}: {why}", file=sys.stderr)
 
 
 def _scheduler(module: str) -> int:

@@ -832,7 +832,10 @@ _TEMPLATES.update(
         "purge_throughput": "DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'",
         "purge_queue_done": """
             DELETE FROM {schema}.history WHERE ctid = ANY(ARRAY(
-                SELECT ctid FROM {schema}.history WHERE queue_name = %s LIMIT %s FOR UPDATE SKIP LOCKED))
+                SELECT ctid FROM {schema}.history
+                 WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
+                 LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+            RETURNING message_id
         """,
     }
 )
@@ -916,12 +919,16 @@ _TEMPLATES.update(
     }
 )
 
+# An operator's bulk action may name one actor (%(actor)s; NULL: every actor).
+_OF_ACTOR = "(%(actor)s::text IS NULL OR actor_name = %(actor)s)"
+
 for _state in FINISHED_STATES:
     # Ids to re-drive, oldest dead first, skipping those that could not be.
     _TEMPLATES[f"redrive_ids_{_state}"] = f"""
         SELECT message_id FROM {{schema}}.message
-         WHERE queue_name = %s AND state = '{_state}' AND message_id <> ALL(%s::uuid[])
-         ORDER BY finished_at LIMIT %s
+         WHERE queue_name = %(queue)s AND state = '{_state}' AND message_id <> ALL(%(skip)s::uuid[])
+           AND {_OF_ACTOR}
+         ORDER BY finished_at LIMIT %(limit)s
     """
 
 for _state in ("queued", *FINISHED_STATES):
@@ -929,7 +936,9 @@ for _state in ("queued", *FINISHED_STATES):
     _TEMPLATES[f"purge_queue_{_state}"] = f"""
         DELETE FROM {{schema}}.message WHERE message_id IN (
             SELECT message_id FROM {{schema}}.message
-             WHERE queue_name = %s AND state = '{_state}' LIMIT %s FOR UPDATE SKIP LOCKED)
+             WHERE queue_name = %(queue)s AND state = '{_state}' AND {_OF_ACTOR}
+             LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+        RETURNING message_id
     """
 
 

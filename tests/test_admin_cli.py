@@ -218,7 +218,7 @@ def test_list_and_redrive_dead_letters_pause_resume_and_purge(dramatiq_pg_url, d
     again = cli(dramatiq_pg_url, "--schema", schema, "redrive", dead[0].message_id)
     assert again.returncode == 1 and "not dead or cancelled" in again.stderr
     rest = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "jobs")
-    assert rest.returncode == 0 and len(rest.stdout.strip().splitlines()) == 2
+    assert rest.returncode == 0 and rest.stdout == "2 re-driven, 0 skipped\n"
     assert {broker.inspect(m.message_id)["retries"] for m in dead} == {0}
     assert {broker.inspect(m.message_id)["state"] for m in dead} == {"queued"}
 
@@ -420,3 +420,40 @@ def test_operator_actions_on_an_unknown_queue_are_refused_with_the_known_ones(dr
     assert created.returncode == 0 and created.stdout.strip() == "later: paused", created
     assert cli(dramatiq_pg_url, "--schema", schema, "resume", "later").returncode == 0
     assert cli(dramatiq_pg_url, "--schema", schema, "resume", "mail").returncode == 1  # known, not paused
+
+
+def test_bulk_commands_print_a_count_ids_with_verbose_and_take_an_actor(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("bulk")
+    mine = [dramatiq.Message(queue_name="bulk", actor_name="mine", args=(), kwargs={}, options={}) for _ in range(30)]
+    theirs = [
+        dramatiq.Message(queue_name="bulk", actor_name="theirs", args=(), kwargs={}, options={}) for _ in range(5)
+    ]
+    broker.enqueue_many(mine + theirs)
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now()")
+
+    # When I re-drive one actor's dead letters, I expect a count, not 5 ids, and only that actor's back
+    theirs_back = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "bulk", "--actor", "theirs")
+    assert theirs_back.returncode == 0, theirs_back.stderr
+    assert theirs_back.stdout == "5 re-driven, 0 skipped\n"
+    assert {broker.inspect(m.message_id)["state"] for m in theirs} == {"queued"}
+    assert {broker.inspect(m.message_id)["state"] for m in mine} == {"dead"}
+    # With --verbose, the ids too
+    mine_back = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "bulk", "--verbose")
+    lines = mine_back.stdout.splitlines()
+    assert {line.split()[-1] for line in lines[:-1]} == {m.message_id for m in mine} and lines[0].startswith(
+        "redriven "
+    )
+    assert lines[-1] == "30 re-driven, 0 skipped"
+
+    # Purge takes an actor too, and names what it deleted only with --verbose
+    purged = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "bulk", "--actor", "theirs", "--yes")
+    assert purged.returncode == 0 and purged.stdout == "queued 5, dead 0, cancelled 0, done 0\n", purged
+    assert all(broker.inspect(m.message_id) is None for m in theirs)
+    assert {broker.inspect(m.message_id)["state"] for m in mine} == {"queued"}
+    verbose = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "bulk", "--state", "queued", "--actor",
+                  "mine", "--verbose", "--yes")  # fmt: skip
+    lines = verbose.stdout.splitlines()
+    assert {line.split()[-1] for line in lines[:-1]} == {m.message_id for m in mine} and lines[0].startswith("deleted ")
+    assert lines[-1] == "queued 30"

@@ -377,3 +377,16 @@ def test_a_queue_is_known_by_its_rows_history_pause_schedule_or_declaration(
         other.pause("ahead")
     assert other.pause("ahead", create=True) is True
     assert [q["queue"] for q in other.queue_overview()] == ["ahead", "declared", "rows"]
+
+
+def test_bulk_re_drive_and_purge_of_one_actor(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.declare_queue("b")
+    ours, others = [message("b", actor="ours") for _ in range(3)], [message("b", actor="other") for _ in range(2)]
+    broker.enqueue_many(ours + others)
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now()")
+    assert sorted(broker.redrive_queue("b", actor="ours").redriven) == sorted(m.message_id for m in ours)
+    assert {broker.inspect(m.message_id)["state"] for m in others} == {"dead"}
+    assert broker.purge_queue("b", ("dead",), actor="nobody") == {"dead": 0}
+    assert broker.purge_queue("b", actor="other") == {"queued": 0, "dead": 2, "cancelled": 0, "done": 0}
+    assert {broker.inspect(m.message_id)["state"] for m in ours} == {"queued"}
