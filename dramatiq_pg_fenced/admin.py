@@ -374,6 +374,27 @@ def purge_queue(
     return deleted
 
 
+def purge_counts(
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    *,
+    actor: str | None = None,
+    cap: int | None = None,
+) -> dict[str, int]:
+    """How many rows :func:`purge_queue` would delete now, per state; each count stops at *cap*."""
+    check_queue(queue_name)
+    counts = {}
+    params = {"queue": queue_name, "actor": actor or None, "cap": cap}
+    for state in states:
+        if state not in PURGEABLE:
+            raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
+        statement = getattr(statements, f"count_queue_{state}")
+        counts[state] = database.run(lambda conn, s=statement: conn.execute(s, params).fetchone()[0])
+    return counts
+
+
 def pause(database: Database, statements: Statements, queue_name: str) -> bool:
     """Claims skip the queue from now on (in every process); ``False`` if it was paused already."""
     check_queue(queue_name)

@@ -830,6 +830,11 @@ _TEMPLATES.update(
                  ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED))
         """,
         "purge_throughput": "DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'",
+        "count_queue_done": """
+            SELECT count(*) FROM (SELECT FROM {schema}.history
+                                   WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
+                                   LIMIT %(cap)s) AS n
+        """,
         "purge_queue_done": """
             DELETE FROM {schema}.history WHERE ctid = ANY(ARRAY(
                 SELECT ctid FROM {schema}.history
@@ -932,6 +937,12 @@ for _state in FINISHED_STATES:
     """
 
 for _state in ("queued", *FINISHED_STATES):
+    # What a purge would delete now (the dashboard asks with it), counting stops at %(cap)s.
+    _TEMPLATES[f"count_queue_{_state}"] = f"""
+        SELECT count(*) FROM (SELECT FROM {{schema}}.message
+                               WHERE queue_name = %(queue)s AND state = '{_state}' AND {_OF_ACTOR}
+                               LIMIT %(cap)s) AS n
+    """
     # Bounded: a batch at a time, skipping rows someone holds (never a running row).
     _TEMPLATES[f"purge_queue_{_state}"] = f"""
         DELETE FROM {{schema}}.message WHERE message_id IN (
@@ -1294,6 +1305,10 @@ class Statements:
     purge_queue_dead: bytes
     purge_queue_cancelled: bytes
     purge_queue_done: bytes
+    count_queue_queued: bytes
+    count_queue_dead: bytes
+    count_queue_cancelled: bytes
+    count_queue_done: bytes
     list_queued: bytes
     list_running: bytes
     list_dead: bytes
