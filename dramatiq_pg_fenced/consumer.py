@@ -427,9 +427,7 @@ class PostgresConsumer(Consumer):
             if outcome.kind is Write.ACK:
                 outcome.follow_ups = [*outcome.follow_ups, *message.ack_sends]
             else:  # with_ack(): a retry or a dead letter is no ack
-                self.writer.stale.drop_unacked(
-                    outcome.kind, message.message_id, message.attempt, len(message.ack_sends)
-                )
+                self.writer.stale.drop_unacked(outcome.kind, message.message_id, message.attempt, len(message.ack_sends))
         message.pending_result = message.decided = None
         self.writer.submit(outcome)
 

@@ -240,3 +240,4 @@ def test_with_ack_inside_an_outbox_transaction_is_refused(
         with pytest.raises(NestedSendError, match="transaction"), broker.with_ack():
             job.send()
     assert count(broker, "job") == 0
+
