@@ -91,7 +91,7 @@ def state_of(database: Database, statements: Statements, message_id: str) -> tup
 _INSPECT_COLUMNS = (
     "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
     "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries", "claimed_at",
-    "unique_key", "unique_until", "version",
+    "unique_key", "unique_until", "version", "still_running",
 )  # fmt: skip
 
 
@@ -128,6 +128,9 @@ def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
     info["message_id"] = str(info["message_id"])
     started, finished = info.get("claimed_at"), info.get("finished_at")
     info["ran_seconds"] = (finished - started).total_seconds() if started and finished else None
+    if info["still_running"]:  # cancelled, its actor still runs: it has not finished
+        info["ran_seconds"] = None
+        info["note"] = still_running_note(info["lease_holder"], started)
     if not decode:
         return info
     try:
@@ -139,6 +142,12 @@ def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
         info["retries"] = None
         info["decode_error"] = str(e)
     return info
+
+
+def still_running_note(holder: str | None, since: datetime | None) -> str:
+    """What operators are told of a cancelled message whose actor still runs."""
+    when = f" since {since.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC" if since is not None else ""
+    return f"cancel requested, still running on {holder or 'an unknown worker'}{when}"
 
 
 # -- errors ------------------------------------------------------------------------
@@ -252,9 +261,16 @@ def redrive(
 
     back = database.run(work, transaction=True)
     done.redriven = [m for m, _ in back]
-    for message_id in ids:
-        if message_id not in done.redriven and message_id not in done.skipped:
-            done.skipped[message_id] = "not dead or cancelled (or changed meanwhile)"
+    left = [m for m in ids if m not in done.redriven and m not in done.skipped]
+    if left:  # why not: a cancelled one whose actor still runs is re-driven when it ends
+        running = {str(r[0]): r for r in _fetch(database, statements.still_running, [left])}
+        for message_id in left:
+            row = running.get(message_id)
+            done.skipped[message_id] = (
+                "not dead or cancelled (or changed meanwhile)"
+                if row is None
+                else f"{still_running_note(row[1], row[2])}: re-drive it when it ends"
+            )
     return done
 
 
@@ -385,13 +401,12 @@ def purge_counts(
 ) -> dict[str, int]:
     """How many rows :func:`purge_queue` would delete now, per state; each count stops at *cap*."""
     check_queue(queue_name)
-    counts = {}
+    counts: dict[str, int] = {}
     params = {"queue": queue_name, "actor": actor or None, "cap": cap}
     for state in states:
         if state not in PURGEABLE:
             raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
-        statement = getattr(statements, f"count_queue_{state}")
-        counts[state] = database.run(lambda conn, s=statement: conn.execute(s, params).fetchone()[0])
+        (counts[state],) = _fetch(database, getattr(statements, f"count_queue_{state}"), params)[0]
     return counts
 
 
@@ -423,7 +438,7 @@ def paused(database: Database, statements: Statements) -> dict[str, datetime]:
 LISTABLE = ("queued", "running", "dead", "cancelled", "done")
 _LIST_COLUMNS = (
     "message_id", "actor_name", "state", "attempt", "priority", "enqueued_at", "at", "finished_at",
-    "lease_holder", "last_error",
+    "lease_holder", "last_error", "running_since",
 )  # fmt: skip
 #: Where each state's first page starts (the cursor of "nothing shown yet").
 _FIRST = {
@@ -500,13 +515,14 @@ def list_messages(
     for row in rows:
         item = _with_error(dict(zip(_LIST_COLUMNS, row[:-3], strict=True)))
         item["message_id"] = str(item["message_id"])
+        item["still_running"] = item["running_since"] is not None  # cancelled, its actor still runs
         page.append(item)
     return Page(page, page_cursor(state, following) if following else None, searched)
 
 
 def page_cursor(state: str, row: tuple) -> str:
     """The sort key of *row* (columns as the list statements return them)."""
-    seq = row[10]
+    seq = row[11]
     if state == "queued":
         return f"{row[4]}|{_stamp(row[6])}|{seq}"
     if state == "running":

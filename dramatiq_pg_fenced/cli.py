@@ -505,10 +505,10 @@ def list_table(rows: list[dict[str, Any]]) -> str:
         [
             r["message_id"],
             r["actor_name"],
-            r["state"],
+            r["state"] + (" (still running)" if r["still_running"] else ""),  # cancel requested, the actor runs
             str(r["attempt"]),
             _when(r["enqueued_at"]),
-            _when(r["finished_at"]),
+            "" if r["still_running"] else _when(r["finished_at"]),
             admin.error_summary(r["last_error"], limit=80),
         ]
         for r in rows

@@ -495,12 +495,17 @@ class Dashboard:
             [
                 f'<a href="/message/{_e(r["message_id"])}" class=mid>{_e(r["message_id"])}</a>',
                 _e(r["actor_name"]),
-                _e(r["state"]),
+                _e(r["state"])
+                + (
+                    f"<br><small class=note>{_e(admin.still_running_note(r['lease_holder'], r['running_since']))}</small>"
+                    if r["still_running"]
+                    else ""
+                ),
                 str(r["attempt"]),
                 str(r["priority"]),
                 _time(r["enqueued_at"], short=True),
                 _time(r["at"], short=True),
-                _time(r["finished_at"], short=True),
+                "" if r["still_running"] else _time(r["finished_at"], short=True),
                 _e(r["lease_holder"] or ""),
                 f"<span class=err>{_e(admin.error_summary(r['last_error'], limit=160))}</span>",
             ]
@@ -537,7 +542,11 @@ class Dashboard:
             raise HTTPError("404 Not Found", f"no message {message_id} (unknown, or finished longer ago than kept)")
         here = f"/message/{message_id}"
         fields = [
-            ("state", f"<span id=state>{_e(info['state'])}</span>"),
+            (
+                "state",
+                f"<span id=state>{_e(info['state'])}</span>"
+                + (f" <span class=badge id=still-running>{_e(info['note'])}</span>" if info["still_running"] else ""),
+            ),
             (
                 "queue",
                 f'<a href="{_link("/messages", queue=info["queue_name"], state=info["state"])}">{_e(info["queue_name"])}</a>',
@@ -551,7 +560,7 @@ class Dashboard:
             ("claimed", _time(info["claimed_at"])),
             ("lease until", _time(info["lease_expires_at"])),
             ("lease holder", _e(info["lease_holder"] or "")),
-            ("finished", _time(info["finished_at"])),
+            ("cancel requested" if info["still_running"] else "finished", _time(info["finished_at"])),
             ("ran", _age(info["ran_seconds"])),
         ]
         if info.get("unique_key") is not None:
@@ -576,7 +585,7 @@ class Dashboard:
             shown = {"message_id": message_id, "seen": info["version"]}
             if info["state"] in ("queued", "running"):
                 buttons += self._form("cancel", "Cancel", shown, here)
-            if info["state"] in FINISHED_STATES:
+            if info["state"] in FINISHED_STATES and not info["still_running"]:  # not while its actor runs
                 buttons += self._form("redrive", "Re-drive", shown, here)
             body += f"<p class=actions>{buttons}</p>" if buttons else ""
         return self.layout(f"Message {message_id}", body)

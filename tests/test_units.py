@@ -166,7 +166,7 @@ def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
     from dramatiq_pg_fenced.admin import list_messages, page_cursor
 
     at = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone(timedelta(hours=2)))
-    row = ("id", "a", "queued", 1, -3, at, at, at, None, None, 42)
+    row = ("id", "a", "queued", 1, -3, at, at, at, None, None, False, 42)
     assert page_cursor("queued", row) == "-3|2026-01-02T01:04:05.006789Z|42"
     assert page_cursor("dead", row) == "2026-01-02T01:04:05.006789Z|42"
     assert page_cursor("running", row) == "42"
@@ -205,3 +205,17 @@ def test_an_error_summary_names_the_exception_first() -> None:
     assert error_summary(frames + "[... 70000 bytes cut here ...]\n  File 'b.py'\nOSError: gone") == "OSError: gone"
     assert error_summary("ValueError('boom')") == "ValueError('boom')"  # no traceback: the text
     assert error_summary(None) == "" and error_summary("x" * 500, limit=10) == "x" * 9 + "…"
+
+
+def test_cancelled_deliveries_held_here_are_running_or_never_started() -> None:
+    leases = Leases()
+    for mid in ("runs", "ended", "waits", "other"):
+        leases.hold("q", mid, 1, f"t-{mid}")
+    assert leases.start("runs", "t-runs") and leases.start("ended", "t-ended")
+    leases.settle("ended")  # its outcome is on its way: the writer clears its lease
+    for mid in ("runs", "ended", "waits"):
+        leases.mark_cancelled(mid)
+    assert leases.cancelled() == ({"runs": "t-runs"}, {"waits": "t-waits"})
+    assert not leases.start("waits", "t-waits")  # cancelled before it started: never starts
+    leases.release("runs", "t-runs")
+    assert leases.cancelled() == ({}, {"waits": "t-waits"})
