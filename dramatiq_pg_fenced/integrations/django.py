@@ -112,8 +112,8 @@ class DjangoPostgresBroker(PostgresBroker):
         where = database_conninfo(using)
         if self._migrated == where:
             return
-        if self.database.started and self.database.url != where:
-            self.close()  # connected elsewhere before the test runner renamed the database
+        if self.database.started:
+            self.close()  # maybe connected before the test runner renamed the database: connect anew
         self.migrate()
         self._migrated = where
 
