@@ -20,11 +20,15 @@ Budget: every page runs a fixed number of indexed statements that stop early
 rows by keyset, an actor filter reads at most :data:`.admin.FILTER_WINDOW`
 rows per page); none scans the message table.  Mount it in any WSGI server
 (``gunicorn 'myapp:dashboard'``), or serve it with ``dramatiq-pg-fenced dashboard``.
+Mounted under a path of another application, it reads that path from ``SCRIPT_NAME``
+(as WSGI dispatchers and ASGI adapters set it) and keeps its links, forms and
+redirects under it.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import hmac
 import html
@@ -264,6 +268,13 @@ class Dashboard:
         if self.auth is not None and not self.auth.accept(environ.get("HTTP_AUTHORIZATION") or ""):
             challenge = ("WWW-Authenticate", 'Basic realm="dramatiq-pg-fenced dashboard", charset="UTF-8"')
             return _plain(start_response, "401 Unauthorized", "authentication required", challenge)
+        root = _ROOT.set(_mount_path(environ))
+        try:
+            return self._answer(environ, start_response)
+        finally:
+            _ROOT.reset(root)
+
+    def _answer(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
         method = environ.get("REQUEST_METHOD", "GET")
         try:
@@ -361,7 +372,7 @@ class Dashboard:
         if not _LOCAL_TARGET.fullmatch(target):
             target = "/"  # never a redirect elsewhere
         joiner = "&" if "?" in target else "?"
-        return f"{target}{joiner}{urllib.parse.urlencode({'note': note})}"
+        return f"{_ROOT.get()}{target}{joiner}{urllib.parse.urlencode({'note': note})}"
 
     def _same_origin(self, environ: Environ) -> None:
         """Refuse a form another page posted (the token is the main guard; this is the second).
@@ -385,7 +396,7 @@ class Dashboard:
             f'<input type=hidden name="{_e(k)}" value="{_e(v)}">'
             for k, v in {"token": self.token, "action": action, "next": next_url, **fields}.items()
         )
-        return f'<form method=post action="/action" class=inline>{hidden}{extra}<button name=do value="{_e(action)}">{_e(label)}</button></form>'
+        return f'<form method=post action="{_ROOT.get()}/action" class=inline>{hidden}{extra}<button name=do value="{_e(action)}">{_e(label)}</button></form>'
 
     # -- pages -------------------------------------------------------------------
     def queues_page(self, query: dict[str, str]) -> str:
@@ -466,7 +477,7 @@ class Dashboard:
         options = "".join(f"<option{' selected' if n == queue else ''}>{_e(n)}</option>" for n in names)
         states = "".join(f"<option{' selected' if s == state else ''}>{s}</option>" for s in admin.LISTABLE)
         form = (
-            '<form method=get action="/messages" class=filters>'
+            f'<form method=get action="{_ROOT.get()}/messages" class=filters>'
             f"<label>queue <select name=queue id=queue>{options}</select></label> "
             f"<label>state <select name=state id=state>{states}</select></label> "
             f'<label>actor <input name=actor id=actor value="{_e(actor)}" placeholder="any"></label> '
@@ -493,7 +504,7 @@ class Dashboard:
         ]
         rows = [
             [
-                f'<a href="/message/{_e(r["message_id"])}" class=mid>{_e(r["message_id"])}</a>',
+                f'<a href="{_ROOT.get()}/message/{_e(r["message_id"])}" class=mid>{_e(r["message_id"])}</a>',
                 _e(r["actor_name"]),
                 _e(r["state"])
                 + (
@@ -592,11 +603,12 @@ class Dashboard:
 
     def layout(self, title: str, body: str) -> str:
         mode = "actions on" if self.actions else "read-only"
+        root = _ROOT.get()
         return f"""<!doctype html><html lang=en><head><meta charset=utf-8>
 <meta name=viewport content="width=device-width, initial-scale=1"><title>{_e(title)} · dramatiq-pg-fenced</title>
 <style>{_CSS}</style></head><body>
 <header><b>dramatiq-pg-fenced</b> <span class=schema>schema {_e(self.settings.schema)}</span>
-<nav><a href="/">Queues</a> <a href="/messages">Messages</a> <a href="/metrics">Metrics</a></nav>
+<nav><a href="{root}/">Queues</a> <a href="{root}/messages">Messages</a> <a href="{root}/metrics">Metrics</a></nav>
 <span class=mode>{mode}</span></header>
 <main><h1>{_e(title)}</h1>{body}</main></body></html>"""
 
@@ -625,7 +637,7 @@ def _e(text: Any) -> str:
 
 
 def _link(path: str, **params: str) -> str:
-    return _e(f"{path}?{urllib.parse.urlencode({k: v for k, v in params.items() if v})}")
+    return _e(f"{_ROOT.get()}{path}?{urllib.parse.urlencode({k: v for k, v in params.items() if v})}")
 
 
 def _note(query: dict[str, str]) -> str:
@@ -692,6 +704,20 @@ def _table(heads: list[str], rows: list[list[str]], cls: str = "") -> str:
 #: Where an action may send the browser next: a path here.  Printable ASCII only (browsers drop tabs
 #: and newlines), no backslash (browsers read it as a slash), and no second slash first ("//host").
 _LOCAL_TARGET = re.compile(r"/(?![/\\])[!-\[\]-~]*")
+
+#: Where this request's dashboard is mounted (``SCRIPT_NAME`` without its last slash): every link,
+#: form and redirect starts with it.  Per request: one app may be reached under several mounts.
+_ROOT: contextvars.ContextVar[str] = contextvars.ContextVar("dashboard_root", default="")
+
+
+def _mount_path(environ: Environ) -> str:
+    """``SCRIPT_NAME`` as a prefix for our paths; ``""`` when absent or not a plain local path
+    (quotes, ``<``, ``>``, ``&`` or a leading ``//`` could lead a link or a redirect elsewhere)."""
+    mount = (environ.get("SCRIPT_NAME") or "").rstrip("/")
+    if not mount or not _LOCAL_TARGET.fullmatch(mount) or any(c in mount for c in "\"'<>&"):
+        return ""
+    return mount
+
 
 _refused_hosts = Condition(logger, "Dashboard: refusing requests for host names not allowed", interval=600.0)
 

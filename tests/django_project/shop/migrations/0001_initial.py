@@ -1,0 +1,17 @@
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    initial = True
+    dependencies: list = []
+
+    operations = [
+        migrations.CreateModel(
+            name="Order",
+            fields=[
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("total", models.IntegerField()),
+                ("status", models.CharField(default="new", max_length=20)),
+            ],
+        ),
+    ]
