@@ -5,7 +5,8 @@ A ``dramatiq`` worker whose role, password, database or schema is wrong exits wi
 after one line saying why (it said "ready for action" and waited forever before).  One that cannot
 reach its server starts and waits for it, as after a good start (the outage after a good start, and a
 worker started during one: test_faults.py, test_work_resumes_within_seconds_of_the_database_return).
-Commands and send() that do not retry never say "trying again".
+Commands and send() that do not retry never say "trying again".  The metrics and dashboard servers
+start while the database is away and report it, as they do once started.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -254,3 +258,60 @@ def test_a_send_to_an_unreachable_database_raises_without_saying_it_tries_again(
     finally:
         broker.close()
     assert not [r for r in caplog.records if "work resumes" in r.getMessage() or "Trying again" in r.getMessage()]
+
+
+# -- the metrics and dashboard servers start while the database is away ------------------------------
+@contextmanager
+def server_command(url: str, *args: str) -> Iterator[tuple[str, list[str]]]:
+    """``dramatiq-pg-fenced ARGS --port 0`` until it says where it listens: (its address, stderr lines)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", url, *args, "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen: list[str] = []
+    try:
+        assert proc.stderr is not None
+        while " on http://" not in (seen[-1] if seen else ""):
+            line = proc.stderr.readline()
+            assert line, f"it ended (exit code {proc.wait()}): {seen}"
+            seen.append(line)
+        yield seen[-1].rsplit(" ", 1)[-1].strip(), seen
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def get(address: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(address, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_start_while_the_database_is_away_and_say_up_0() -> None:
+    url = f"postgresql://postgres@127.0.0.1:{closed_port()}/away"
+    with server_command(url, "metrics") as (address, seen):
+        status, body = get(address)
+        assert status == 200 and "dramatiq_pg_up 0.0" in body, body
+    assert any("cannot reach PostgreSQL" in line for line in seen), seen
+
+
+def test_the_dashboard_starts_while_the_database_is_away_and_answers_503() -> None:
+    url = f"postgresql://postgres@127.0.0.1:{closed_port()}/away"
+    with server_command(url, "dashboard") as (address, seen):
+        status, body = get(address)
+        assert status == 503 and "could not answer" in body, body
+    assert any("cannot reach PostgreSQL" in line for line in seen), seen
+
+
+@pytest.mark.parametrize("command", ["metrics", "dashboard"])
+def test_metrics_and_dashboard_refuse_a_configuration_that_can_never_work(command: str, dramatiq_pg_url: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_fenced.cli", "--url", make_conninfo(dramatiq_pg_url, user="no_such_role_23"),
+         command, "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip() == done.stderr.strip().splitlines()[0], done.stderr
+    assert 'role "no_such_role_23" does not exist' in done.stderr
