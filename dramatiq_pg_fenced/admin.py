@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
@@ -37,6 +37,15 @@ def check_message_id(message_id: Any) -> str:
         raise ValueError(f"not a message id: {message_id!r} (a UUID, as Dramatiq makes them)") from None
 
 
+def check_version(seen: Any) -> str:
+    """*seen* as a row version (``"<seq>.<xmin>"``, what :func:`inspect` returns); ``ValueError`` otherwise."""
+    text = str(seen)
+    seq, dot, xmin = text.partition(".")
+    if not (dot and seq.isdigit() and xmin.isdigit()):
+        raise ValueError(f"not a message version: {seen!r} (as inspect shows it: <seq>.<xmin>)")
+    return text
+
+
 class CancelOutcome(str, Enum):
     """What :meth:`PostgresBroker.cancel` did."""
 
@@ -44,24 +53,31 @@ class CancelOutcome(str, Enum):
     RUNNING = "cancelled_running"  #: it was running; that attempt's outcome is fenced out
     ALREADY_CANCELLED = "already_cancelled"
     DEAD = "already_dead"  #: it had been dead-lettered; nothing changed
-    NOT_FOUND = "not_found"  #: unknown id, or already finished (acked rows leave the table)
+    NOT_FOUND = "not_found"  #: unknown id, already finished (acked rows leave the table), or not the one seen
 
 
-def cancel(database: Database, statements: Statements, message_id: str, *, channel: str) -> CancelOutcome:
-    """Cancel a message whatever its attempt (administrative: not fenced).
+def cancel(
+    database: Database, statements: Statements, message_id: str, *, channel: str, seen: str | None = None
+) -> CancelOutcome:
+    """Cancel a message whatever its attempt (administrative: not fenced on a delivery).
 
+    *seen*: the version an operator was shown (:func:`inspect`'s ``version``,
+    which the dashboard's form carries): only that incarnation of the id is
+    cancelled, at whatever attempt it is now; the id sent again after it
+    finished is another message (``NOT_FOUND``).
     A running one is announced on *channel* (``!cancel <id>``, and
     ``!interrupt <id> <delivery>``), so a worker that holds it in its prefetch
     never starts it, and one that runs it with ``interrupt_on_cancel`` stops it;
     also from a canceller without LISTEN (the CLI), for workers that listen.
     """
     message_id = check_message_id(message_id)
-    params = {"id": message_id, "channel": channel}
+    seq = None if seen is None else int(check_version(seen).partition(".")[0])
+    params = {"id": message_id, "channel": channel, "seq": seq}
     row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
     if row is not None:
         return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING
-    now = state_of(database, statements, message_id)
-    if now is None:
+    now = database.run(lambda conn: conn.execute(statements.state_of, [message_id]).fetchone())
+    if now is None or (seq is not None and now[2] != seq):
         return CancelOutcome.NOT_FOUND
     return CancelOutcome.ALREADY_CANCELLED if now[0] == State.CANCELLED.value else CancelOutcome.DEAD
 
@@ -75,7 +91,7 @@ def state_of(database: Database, statements: Statements, message_id: str) -> tup
 _INSPECT_COLUMNS = (
     "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
     "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries", "claimed_at",
-    "unique_key", "unique_until",
+    "unique_key", "unique_until", "version",
 )  # fmt: skip
 
 
@@ -85,6 +101,8 @@ def inspect(database: Database, statements: Statements, message_id: str) -> dict
     A message still in the message table is shown as it is there; an acked one
     from the history table (state ``done``).  ``history`` lists every kept
     finish of this id, newest first; ``ran_seconds`` is claim to finish.
+    ``version`` names the row as read (``None`` for history): given to
+    :func:`redrive` or :func:`cancel` as *seen*, they act on that row only.
     """
     message_id = check_message_id(message_id)
 
@@ -139,26 +157,42 @@ def reset_payload(payload: bytes) -> bytes:
     return dataclasses.replace(message, options=options).encode()
 
 
-def redrive(database: Database, statements: Statements, message_ids: Iterable[str], channel: str | None) -> Redriven:
+def redrive(
+    database: Database,
+    statements: Statements,
+    message_ids: Iterable[str],
+    channel: str | None,
+    *,
+    seen: Mapping[str, str] | None = None,
+) -> Redriven:
     """Put dead or cancelled messages back in their queues, due now, their retry count reset.
 
-    Fenced on the state and attempt read: a message claimed, re-driven or
-    purged in between is left alone.  Its attempt number goes on counting
+    Fenced on the row version read (see :func:`.sql.version`): a message
+    claimed, re-driven, cancelled again or purged in between is left alone,
+    and so is its id sent again meanwhile, whatever its state and attempt.
+    *seen*: per id, the version an operator was shown (:func:`inspect`'s
+    ``version``; the dashboard's form carries it): an id whose row is no
+    longer that one is left alone too.  Its attempt number goes on counting
     (the fence of its next delivery is still new).  *channel*: ring the
     doorbell of the queues that got messages (``None``: no LISTEN/NOTIFY).
     """
     ids = [check_message_id(m) for m in message_ids]
+    shown = {check_message_id(m): check_version(v) for m, v in (seen or {}).items()}
     done = Redriven()
 
     def work(conn: psycopg.Connection) -> list[tuple[str, str]]:
         done.skipped.clear()  # a second try (broken connection) starts afresh
         rows = conn.execute(statements.redrive_read, [ids]).fetchall()
-        found: list[tuple[str, int, str, bytes]] = []
-        for message_id, state, attempt, payload, _queue in rows:
+        found: list[tuple[str, str, bytes]] = []
+        for message_id, version, payload in rows:
+            message_id = str(message_id)
+            if shown.get(message_id, version) != version:
+                done.skipped[message_id] = "changed since it was shown (re-driven, cancelled again, or sent again)"
+                continue
             try:
-                found.append((str(message_id), attempt, state, reset_payload(bytes(payload))))
+                found.append((message_id, version, reset_payload(bytes(payload))))
             except Exception as e:  # undecodable with this process's encoder: left as it is
-                done.skipped[str(message_id)] = f"cannot decode its payload: {e}"
+                done.skipped[message_id] = f"cannot decode its payload: {e}"
         if not found:
             return []
         columns = [list(c) for c in zip(*found, strict=True)]
@@ -462,15 +496,17 @@ class OperatorMethods:
     channel: str
     listen: bool
 
-    def cancel(self, message_id: str) -> CancelOutcome:
+    def cancel(self, message_id: str, *, seen: str | None = None) -> CancelOutcome:
         """Cancel a message so it never runs (again).
 
         Queued messages are cancelled whatever their attempt (a retry waiting
         for its backoff included).  A running message is marked cancelled: its
         attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
         an attempt: cancellation is an administrative action on the message.
+        *seen* (:meth:`inspect`'s ``version``): only the message shown, not
+        its id sent again after it finished.
         """
-        return cancel(self.database, self.statements, message_id, channel=self.channel)
+        return cancel(self.database, self.statements, message_id, channel=self.channel, seen=seen)
 
     def is_cancelled(self, message_id: str) -> bool:
         """For actors: was my message cancelled while I run?"""
@@ -481,13 +517,15 @@ class OperatorMethods:
         """What operators need to understand a message; ``None`` if unknown."""
         return inspect(self.database, self.statements, message_id)
 
-    def redrive(self, message_id: str) -> bool:
+    def redrive(self, message_id: str, *, seen: str | None = None) -> bool:
         """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
 
-        Returns whether it went back (``False``: unknown, or not dead or
-        cancelled).  Fenced on the state and attempt it had when read.
+        Returns whether it went back (``False``: unknown, not dead or
+        cancelled, or changed meanwhile).  Fenced on the row version read,
+        or, with *seen* (:meth:`inspect`'s ``version``), on that one.
         """
-        return bool(redrive(self.database, self.statements, [message_id], self._ring).redriven)
+        shown = None if seen is None else {message_id: seen}
+        return bool(redrive(self.database, self.statements, [message_id], self._ring, seen=shown).redriven)
 
     def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
         """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""

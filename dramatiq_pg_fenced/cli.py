@@ -67,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common])
 
     command("migrate", "create or upgrade the schema (idempotent, safe to run concurrently)")
-    command("cancel", "cancel a queued or running message").add_argument("message_id")
+    seen_help = "only if the message is still the one inspect showed with this version (not its id sent again)"
+    cancel = command("cancel", "cancel a queued or running message")
+    cancel.add_argument("message_id")
+    cancel.add_argument("--seen", metavar="VERSION", help=seen_help)
     command("inspect", "a message's state, attempt, lease, timing and last error (JSON)").add_argument("message_id")
     stats = command("stats", "per queue: due, delayed, running, dead, cancelled, done, oldest due, expired leases")
     stats.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
@@ -82,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     redrive.add_argument("message_ids", nargs="*", metavar="MESSAGE_ID")
     redrive.add_argument("--queue", help="every dead letter of this queue (with --state: cancelled, or all)")
     redrive.add_argument("--state", default="dead", choices=(*FINISHED_STATES, "all"))
+    redrive.add_argument("--seen", metavar="VERSION", help=seen_help.replace("still", "still dead or cancelled as"))
     purge = command("purge", "delete a queue's queued, dead, cancelled and done messages (never running ones)")
     purge.add_argument("--queue", required=True)
     purge.add_argument("--state", choices=admin.PURGEABLE, help="only this state (default: all of them)")
@@ -198,7 +202,7 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
         print(f"schema {broker.schema!r}: {done}")
         return OK
     if command == "cancel":
-        outcome = broker.cancel(ids[0])
+        outcome = broker.cancel(ids[0], seen=args.seen)
         print(outcome.value)
         return OK if outcome.value.startswith("cancelled") else NOT_APPLIED
     if command == "inspect":
@@ -245,11 +249,13 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "redrive":
         if bool(ids) == bool(args.queue):
             raise ValueError("give message ids or --queue, one of the two")
+        if args.seen is not None and len(ids) != 1:
+            raise ValueError("--seen is the version of one message: give one MESSAGE_ID")
         if args.queue:
             again = FINISHED_STATES if args.state == "all" else (args.state,)
             result = admin.redrive_queue(db, st, args.queue, again, ring)
         else:
-            result = admin.redrive(db, st, ids, ring)
+            result = admin.redrive(db, st, ids, ring, seen=None if args.seen is None else {ids[0]: args.seen})
         for message_id in result.redriven:
             print(f"redriven {message_id}")
         for message_id, why in result.skipped.items():

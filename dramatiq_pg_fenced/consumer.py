@@ -77,7 +77,8 @@ class LostClaims:
 
 #: Where a claim from the head of the index starts: before every row.
 HEAD = (-(2**31), "-infinity", -(2**63))
-#: Seconds between two claims from the head, at most (see :class:`Floor`).
+#: Seconds between two claims from the head, at most, while a row may wait
+#: behind the floor (see :class:`Floor`), whatever the poll interval.
 LOOK_BACK_EVERY = 1.0
 #: How far before the database's clock at a drained claim the floor is put:
 #: an enqueue stamps ``available_at`` when its statement starts and becomes
@@ -122,8 +123,11 @@ class Floor:
     session's snapshot is older).  A row that lands behind the floor anyway
     (an enqueue that committed late, a message of a priority no actor here
     has, a row put back at its old place) is found by the next claim from the
-    head: one every ``LOOK_BACK_EVERY`` seconds, and at once after a
-    ``"!back"`` notification or a lost claim.
+    head: at once after a ``"!back"`` notification or a lost claim, and
+    otherwise at most ``LOOK_BACK_EVERY`` seconds after the last one: a claim
+    from the floor that comes back short (the doorbell rang for a row, and the
+    floor did not find it) makes the consumer claim from the head by then
+    (:attr:`look_back_due`), not at its next poll, whatever ``poll_interval``.
     """
 
     def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
@@ -133,6 +137,9 @@ class Floor:
         self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
         self._head_due = 0.0  # monotonic
         self._back_seen = self.look_back.count(queue_name)
+        #: When the consumer must claim (from the head) though nothing rang (monotonic): set by a
+        #: short claim from the floor, since a row may wait behind it; ``None`` after a claim from the head.
+        self.look_back_due: float | None = None
 
     def start(self) -> tuple[int, Any, int]:
         """Where the next claim starts; ``HEAD`` when it must look back."""
@@ -148,8 +155,12 @@ class Floor:
         """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
         if start is HEAD:
             self._head_due = time.monotonic() + LOOK_BACK_EVERY
-        elif self.at is None:
-            return  # forgotten meanwhile: only a claim from the head sets it again
+            self.look_back_due = None
+        else:
+            if len(rows) < limit:
+                self.look_back_due = self._head_due  # what rang may lie behind the floor: look back by then
+            if self.at is None:
+                return  # forgotten meanwhile: only a claim from the head sets it again
         if not rows:
             return  # idle or paused: no proof of where the queue stands; the floor stays
         drained = (rows[0][7] - FLOOR_MARGIN, HEAD[2])
@@ -240,6 +251,8 @@ class PostgresConsumer(Consumer):
                 wait = min(wait, max(self._quiet_until - time.monotonic(), 0.0))
             if self.next_due is not None:
                 wait = min(wait, max(self.next_due - time.monotonic(), 0.0))
+            if self.floor.look_back_due is not None:
+                wait = min(wait, max(self.floor.look_back_due - time.monotonic(), 0.0))
             if self.wake is not None:
                 self.wake.wait(wait)
             else:
@@ -252,6 +265,8 @@ class PostgresConsumer(Consumer):
             return True
         if self.next_due is not None and self.next_due <= now:
             return True
+        if self.floor.look_back_due is not None and self.floor.look_back_due <= now:
+            return True  # a row may wait behind the floor: look back, poll interval or not
         return self.lost_claims.waiting(self.queue_name)
 
     def _claim(self, timeout: float) -> None:

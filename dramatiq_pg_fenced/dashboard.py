@@ -323,11 +323,13 @@ class Dashboard:
             raise HTTPError("403 Forbidden", "the form's token is missing or stale: reload the page")
         action = form.get("action", "")
         ring, db, st = self.ring, self.database, self.statements
+        # A message's buttons carry the version its page showed: they act on that row only.
+        message_id, seen = form.get("message_id", ""), form.get("seen") or None
         if action == "cancel":
-            outcome = admin.cancel(db, st, form.get("message_id", ""), channel=self.settings.channel)
+            outcome = admin.cancel(db, st, message_id, channel=self.settings.channel, seen=seen)
             note = f"cancel: {outcome.value}"
         elif action == "redrive":
-            done = admin.redrive(db, st, [form.get("message_id", "")], ring)
+            done = admin.redrive(db, st, [message_id], ring, seen=None if seen is None else {message_id: seen})
             note = "re-driven" if done.redriven else f"not re-driven: {'; '.join(done.skipped.values())}"
         elif action == "redrive_queue":
             again = FINISHED_STATES if form.get("state") == "all" else (form.get("state") or "dead",)
@@ -528,10 +530,11 @@ class Dashboard:
             body += "<h2>History</h2>" + _table(heads, rows)
         if self.actions:
             buttons = ""
+            shown = {"message_id": message_id, "seen": info["version"]}
             if info["state"] in ("queued", "running"):
-                buttons += self._form("cancel", "Cancel", {"message_id": message_id}, here)
+                buttons += self._form("cancel", "Cancel", shown, here)
             if info["state"] in FINISHED_STATES:
-                buttons += self._form("redrive", "Re-drive", {"message_id": message_id}, here)
+                buttons += self._form("redrive", "Re-drive", shown, here)
             body += f"<p class=actions>{buttons}</p>" if buttons else ""
         return self.layout(f"Message {message_id}", body)
 

@@ -6,6 +6,12 @@ sockets are not the child's to use or close).  It checks once per process
 that the schema is migrated, runs idempotent work again once on a fresh
 connection when the first one was broken, and names failures for people:
 the server and the cause, never the password.
+
+A server that takes no writes (a standby, a primary demoted with its sockets
+open) is a lost connection here: the connection that met it, and every other
+made to that server before, is dropped, and the next one is dialled anew (see
+reconnect.py), so libpq's ``target_session_attrs=read-write`` finds the new
+primary.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
-from .errors import SchemaError, describe_failure, lost_connection
+from .errors import SchemaError, ServerUnwritable, as_lost, describe_failure, lost_connection, unwritable
 from .interrupt import shielded
-from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, server_for
+from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, server_for, where
 
 T = TypeVar("T")
 
@@ -228,9 +234,18 @@ class Database:
                         raise
                     local.schema_checked = True
                     self.schema_unready.clear()
-                yield conn
+                try:
+                    yield conn
+                except psycopg.Error as e:
+                    if not unwritable(e):
+                        raise
+                    self.drop_unwritable(conn, e)
+                    lost = as_lost(e)
+                    if lost is e:
+                        raise
+                    raise lost from e
         except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-            if lost_connection(e) and not isinstance(e, PoolTimeout) and local.owns_pool:
+            if lost_connection(e) and not isinstance(e, PoolTimeout) and local.owns_pool and not unwritable(e):
                 # One broken connection usually means all idle ones are (server
                 # restart, pg_terminate_backend): drop them now, not one per retry.
                 with suppress(Exception):
@@ -267,6 +282,8 @@ class Database:
                     raise
                 if server.down and now - start > 1.2 * RETRY_INTERVAL:
                     raise psycopg.OperationalError(server.cause) from None
+                if server.read_only and now - start > 1.2 * RETRY_INTERVAL:
+                    raise ServerUnwritable(server.read_only) from None
         try:
             yield conn
         finally:
@@ -287,6 +304,22 @@ class Database:
                 if tries == 2 or isinstance(e, PoolTimeout):
                     raise ConnectionClosed(self.describe(e)) from None
         raise AssertionError("unreachable")
+
+    def drop_unwritable(self, conn: psycopg.Connection, error: BaseException) -> None:
+        """*conn*'s server answered as one that takes no writes (*error*): close *conn* and drop every
+        connection made to that server before (this pool's at once; the other parts' at their next
+        use: reconnect.py), so the next ones are dialled anew and find the new primary."""
+        server = getattr(conn, "server", None)
+        if not isinstance(server, Server):
+            server = server_for(self.conninfo)
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        bumped = server.unwritable(cause, getattr(conn, "generation", None))
+        with suppress(Exception):
+            conn.close()
+        local = self._local
+        if bumped and local is not None and local.pid == _pid and local.owns_pool:
+            with suppress(Exception):
+                local.pool.drain()
 
     def connect(self) -> psycopg.Connection:
         """A connection of its own (not pooled), paced like the pool's while the server is away.
@@ -317,14 +350,14 @@ class Database:
     def describe(self, error: BaseException) -> str:
         """An operational error in one line, naming the server but never the password."""
         info = self._info()
-        where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+        at = where(self.conninfo)
         if isinstance(error, PoolTimeout) and self.conninfo:
             # The pool only says it timed out; one direct try tells why (refused, auth, unknown host...).
             try:
                 psycopg.connect(self.conninfo, connect_timeout=self.connect_timeout).close()
             except psycopg.Error as direct:
                 error = direct
-        text = describe_failure(error, where)
+        text = describe_failure(error, at)
         password = info.get("password")
         if password:
             text = text.replace(str(password), "***")
@@ -335,5 +368,4 @@ class Database:
         info = self._info()
         if not info:
             return "URL"
-        host = info.get("host") or "localhost"
-        return f"postgresql://{info.get('user') or ''}@{host}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+        return f"postgresql://{info.get('user') or ''}@{where(self.conninfo)}"

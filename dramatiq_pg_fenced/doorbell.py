@@ -9,7 +9,11 @@ re-check the database after a wake-up and at least every poll interval, and
 every waiter is woken when the connection is (re)established, so a
 notification lost while nobody listened costs one check, never a message or
 a result.  A lost connection is made again at once, then at the pace of
-reconnect.py while the server is away.  A payload that starts with ``!`` is
+reconnect.py while the server is away.  So is one to a server that no longer
+takes writes (a demoted primary keeps its sockets open, and producers now
+notify on the new one): the listener asks its server every
+:data:`CHECK_EVERY` seconds, and leaves at once when another part of the
+process has found it read-only.  A payload that starts with ``!`` is
 a command, ``"!name arg"``, passed to the handler registered with
 :meth:`Doorbell.on` (the broker's ``!cancel <message id>`` and
 ``!interrupt <message id> <delivery>``).  The broker's consumers, the
@@ -28,9 +32,13 @@ from contextlib import contextmanager
 import psycopg
 from psycopg import sql
 
-from .reconnect import RETRY_INTERVAL, PacedConnection, server_for
+from .reconnect import RETRY_INTERVAL, PacedConnection, reports_read_only, server_for
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two round trips of the listening connection that ask whether its server still
+#: takes writes (and is still there).
+CHECK_EVERY = 5.0
 
 
 class Doorbell:
@@ -111,13 +119,23 @@ class Doorbell:
                 with PacedConnection.connect(
                     self.conninfo, autocommit=True, connect_timeout=self.connect_timeout
                 ) as conn:
+                    if conn.stale:  # a server that takes no writes: producers notify elsewhere
+                        raise psycopg.OperationalError("the server takes no writes")
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                     if lost:
                         logger.info("LISTEN %s is back.", self.channel)
                     lost = False
                     self.ring()  # whatever was sent while we were not listening is found by one check
-                    while not self._stopped.is_set():
+                    checked = time.monotonic()
+                    while not self._stopped.is_set() and not conn.stale:
                         self._listen(conn)
+                        if time.monotonic() - checked > CHECK_EVERY:
+                            checked = time.monotonic()
+                            conn.execute(b"")  # its reply carries the server's settings, a reload's included
+                            if reports_read_only(conn):
+                                server.unwritable("it reports itself read-only", conn.generation)
+                    if conn.stale and not self._stopped.is_set():
+                        raise psycopg.OperationalError("the server no longer takes writes")
             except psycopg.Error as e:
                 if self._stopped.is_set():
                     return  # closing: the server may go away first

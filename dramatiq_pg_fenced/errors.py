@@ -51,13 +51,49 @@ class ResultNotStored(Exception):
     """
 
 
-#: Server errors that mean the connection itself is gone (shutdown, crash, restart).
-_CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
+#: Server errors that mean the connection itself is gone (shutdown, crash, restart, idle timeout).
+_CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03", "57P05"}
+#: Server errors that mean the server takes no writes: read_only_sql_transaction, which a standby (in
+#: recovery: "cannot execute ... during recovery") and a primary turned read-only
+#: (``default_transaction_read_only``, how Aurora and some proxies demote one) both answer.
+_UNWRITABLE_SQLSTATES = {"25006"}
+
+
+class ServerUnwritable(psycopg.OperationalError):
+    """The server answered as a read-only one: a standby, or a demoted primary whose sockets stay open.
+
+    For the package it is a lost connection: the connection is dropped (with every other one made
+    to that server before), a new one is dialled (libpq's ``target_session_attrs=read-write`` finds
+    the new primary) and the work is done again there, fenced as always.  Never a refusal of what
+    was written: nothing is dead-lettered, nacked or counted stale because of it.
+    """
+
+    sqlstate = "25006"
+
+
+def unwritable(error: BaseException) -> bool:
+    """Did the server refuse *error*'s statement because it takes no writes (read-only, in recovery)?"""
+    return isinstance(error, ServerUnwritable) or (
+        isinstance(error, psycopg.Error) and error.sqlstate in _UNWRITABLE_SQLSTATES
+    )
+
+
+def as_lost(error: psycopg.Error) -> psycopg.Error:
+    """*error* as the package's parts handle it: an unwritable server's answer becomes a
+    :class:`ServerUnwritable` (an ``OperationalError``, which they take for a lost connection)."""
+    if unwritable(error) and not isinstance(error, ServerUnwritable):
+        lost = ServerUnwritable(str(error).splitlines()[0] if str(error) else "the server is read-only")
+        lost.__cause__ = error
+        return lost
+    return error
 
 
 def lost_connection(error: BaseException) -> bool:
-    """Did *error* cost us the connection (unlike, say, a lock or statement timeout on a live one)?"""
-    if isinstance(error, (psycopg.InterfaceError, PoolTimeout)):
+    """Did *error* cost us the connection (unlike, say, a lock or statement timeout on a live one)?
+
+    A server that takes no writes (:func:`unwritable`) counts: its connection is of no use to us.
+    """
+    if isinstance(error, (psycopg.InterfaceError, PoolTimeout)) or unwritable(error):
         return True
     if not isinstance(error, psycopg.OperationalError):
         return False
@@ -69,6 +105,8 @@ def describe_failure(error: BaseException, where: str = "") -> str:
     """One line for an operational failure: "cannot reach" only when the connection is what failed."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     at = f" at {where}" if where else ""
+    if unwritable(error):
+        return f"PostgreSQL{at} takes no writes (a standby, or a demoted primary): {text}"
     if lost_connection(error):
         # libpq gives a failed connection no SQLSTATE; the server's own refusal is its "FATAL:" line
         # (a wrong password, an unknown role or database, too many connections).

@@ -26,13 +26,18 @@ Races, and why none hurts:
 - *Cancelled before the body starts*: the start gate skips a delivery whose
   cancellation was heard; a token cancelled after the gate but before
   :meth:`Interrupter.enter` is remembered, and ``enter`` raises at once.
-- *Cancelled as the body returns*: an interrupt is sent only to a delivery
-  registered on its thread, at most once, under the registry's lock;
-  :meth:`Interrupter.leave` unregisters it and clears an interrupt still
-  pending.  So the exception lands inside the actor call or not at all, never
-  in the worker's own code or in the next message the thread runs.  A body
-  that returned, or swallowed the exception, while it was interrupted still
-  ends with :class:`MessageCancelled`.
+- *Cancelled as the body returns* (or as it is registered): an interrupt is
+  sent only to a delivery registered on its thread, at most once, under the
+  registry's lock; :meth:`Interrupter.leave` unregisters it and clears an
+  interrupt still pending.  The exception may land anywhere between the
+  body's end and that unregistering, in the wrapper or at the entry of
+  ``leave`` itself: :func:`interruptible` registers and unregisters inside
+  one ``try``/``finally`` and calls ``leave`` again until it has run through
+  (at most once more per interrupt sent), so no entry outlives its delivery,
+  and the exception lands inside the actor call or not at all, never in the
+  worker's own code or in the next message the thread runs.  A body that
+  returned, or swallowed the exception, while it was interrupted still ends
+  with :class:`MessageCancelled`.
 - *Cancelled inside a* :func:`shielded` *block* (the broker's own database
   calls are): the thread raises the exception itself as the block ends, so a
   connection pool is never left half-way.
@@ -155,20 +160,24 @@ class Interrupter:
         """The body of *delivery*'s actor starts on this thread; ``False``: it already runs here (a nested call).
 
         Raises :class:`MessageCancelled` at once if the delivery was heard cancelled already.
+        From the moment it registers, an interrupt may land: call it where
+        :meth:`leave` is sure to follow (see :func:`interruptible`).
         """
-        thread_id = threading.get_ident()
         with self._lock:
             if delivery in self._running:
                 return False
             if delivery in self._cancelled:
                 del self._cancelled[delivery]
                 raise MessageCancelled(describe(message_id, attempt))
-            # One body runs per thread: an entry left here is one whose interrupt landed as it
-            # left (so none is pending); forget it.
-            for token in [t for t, r in self._running.items() if r.thread_id == thread_id]:
-                del self._running[token]
+            thread_id = threading.get_ident()
             _here.entry = self._running[delivery] = Running(message_id, attempt, delivery, thread_id, self._lock)
         return True
+
+    def runs_here(self, delivery: str) -> bool:
+        """Is *delivery*'s body registered on this thread (an actor called from the body of one that runs)?"""
+        with self._lock:
+            entry = self._running.get(delivery)
+            return entry is not None and entry.thread_id == threading.get_ident()
 
     def leave(self, delivery: str) -> bool:
         """The body of *delivery*'s actor ended on this thread: no interrupt reaches it from now on.
@@ -253,17 +262,30 @@ def interruptible(fn: Callable[..., Any], interrupter: Callable[[], Interrupter]
         if message is None:
             return fn(*args, **kwargs)
         registry = interrupter()
-        if not registry.enter(message.message_id, message.attempt, message.delivery):
+        if registry.runs_here(message.delivery):
             return fn(*args, **kwargs)  # an actor called from the body of one that runs
+        interrupted = False
         try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            if registry.leave(message.delivery):
-                raise MessageCancelled(describe(message.message_id, message.attempt)) from exc
-            raise
-        if registry.leave(message.delivery):
-            raise MessageCancelled(describe(message.message_id, message.attempt))
-        return result
+            registry.enter(message.message_id, message.attempt, message.delivery)
+            return fn(*args, **kwargs)
+        finally:
+            # From enter() on an interrupt may land anywhere up to leave()'s unregistering: here, or
+            # at the entry of leave() before its lock.  Each sender sends at most one per delivery, so
+            # this ends with the entry gone and nothing pending for what the thread runs next.
+            landed: Interrupt | None = None
+            while True:
+                try:
+                    interrupted = registry.leave(message.delivery) or interrupted
+                    break
+                except Interrupt as exc:
+                    if isinstance(exc, MessageCancelled):
+                        interrupted = True
+                    else:
+                        landed = landed or exc  # another interrupt (Dramatiq's time limit): raised after
+            if interrupted:
+                raise MessageCancelled(describe(message.message_id, message.attempt))
+            if landed is not None:
+                raise landed
 
     run.interrupts_on_cancel = True  # type: ignore[attr-defined]
     return run

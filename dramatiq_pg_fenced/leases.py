@@ -25,6 +25,7 @@ from dramatiq.errors import ConnectionClosed
 from .config import Settings
 from .database import Database
 from .delivery import PostgresMessageProxy
+from .errors import as_lost, unwritable
 from .fencing import State
 from .interrupt import Interrupter
 from .periodic import Periodic
@@ -254,7 +255,13 @@ class LeaseKeeper(Periodic):
         self.extend()
 
     def _connection(self) -> psycopg.Connection:
-        """A connection of the keeper's own: a busy or exhausted pool never delays an extension."""
+        """A connection of the keeper's own: a busy or exhausted pool never delays an extension.
+
+        One made before its server was found to take no writes is dropped (see reconnect.py)."""
+        conn = self._conn
+        if conn is not None and not conn.closed and getattr(conn, "stale", False):
+            with contextlib.suppress(Exception):
+                conn.close()
         if self._conn is None or self._conn.closed:
             self._conn = self.database.connect()
         return self._conn
@@ -288,6 +295,12 @@ class LeaseKeeper(Periodic):
             with contextlib.suppress(Exception):
                 conn.close()
             raise
+        except psycopg.Error as e:  # a server that takes no writes is a lost connection (errors.py)
+            if not unwritable(e):
+                raise
+            self._conn = None
+            self.database.drop_unwritable(conn, e)
+            raise as_lost(e) from e
         lost = self.leases.mark_lost(tokens, kept)
         if self.on_cancelled is not None:
             for message_id, token in cancelled:  # a "!interrupt" notification lost, or LISTEN off

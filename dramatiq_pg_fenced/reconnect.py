@@ -15,11 +15,22 @@ for it.  Here, every connection a process makes to one server goes through one
   per 80% of :data:`RETRY_INTERVAL`: any other attempt in that time fails at
   once with the last error, without touching the network (a server that is
   starting up forks a backend for every attempt it turns down).
-- The outage is logged once when it starts (server and cause), as a reminder at
-  most every :data:`REMINDER_INTERVAL`, and once when it ends.  The parts do
-  not log a line per try.  Only when some part of the process waits for the
-  server (:attr:`Server.awaited`: a worker's consumers): a ``send()`` or a
-  command that fails says why itself, and retries nothing.
+- The outage is logged once when it starts (server and cause: with several
+  hosts in the URL, each host tried and its own cause), as a reminder at most
+  every :data:`REMINDER_INTERVAL`, and once when it ends.  The parts do not log
+  a line per try.  Only when some part of the process waits for the server
+  (:attr:`Server.awaited`: a worker's consumers): a ``send()`` or a command
+  that fails says why itself, and retries nothing.
+- A server that takes no writes (a standby, a primary demoted with its sockets
+  open: SQLSTATE 25006) is a lost connection too.  The part that meets it says
+  so (:meth:`Server.unwritable`): every connection made to it before is then
+  dropped, by the pool's check on checkout (:func:`check_connection`), the
+  doorbell and the lease keeper, and new ones are dialled, which libpq's
+  ``target_session_attrs=read-write`` steers to the new primary.  Said once,
+  with its end.
+- The pools check a connection on checkout (:func:`check_connection`): for free
+  when it was handed out within :data:`CHECK_IDLE` seconds, with one round trip
+  when it was idle longer, so a demoted or dead server is left within seconds.
 
 Imports nothing of ours.
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +59,8 @@ RETRY_INTERVAL = 0.5
 _MIN_GAP = 0.8 * RETRY_INTERVAL
 #: While a server is down: seconds between two "still unreachable" lines.
 REMINDER_INTERVAL = 60.0
+#: A pooled connection not handed out for this many seconds is checked with a round trip on checkout.
+CHECK_IDLE = 2.0
 
 C = TypeVar("C")
 
@@ -66,6 +80,11 @@ class Server:
         #: outage announced; set by the database layer for its background parts.
         self.awaited = False
         self._announced = False  # this outage was logged
+        #: Bumped when the server is found to take no writes: connections made before are dropped.
+        self.generation = 0
+        self._unwritable_since: float | None = None  # monotonic
+        self._unwritable_report = 0.0
+        self._unwritable_cause = ""
 
     @property
     def down(self) -> bool:
@@ -100,8 +119,7 @@ class Server:
             self._cond.wait_for(lambda: self._returns != returns, seconds)
 
     def _failed(self, error: psycopg.OperationalError) -> None:
-        # libpq says 'connection to server at "host", port N failed: <cause>'; we name the server ourselves.
-        cause = (str(error).splitlines() or [type(error).__name__])[0].rsplit(" failed: ", 1)[-1]
+        cause = connect_failure(error)
         now = time.monotonic()
         with self._cond:
             self._cause = cause
@@ -123,6 +141,49 @@ class Server:
                 logger.warning(
                     "PostgreSQL at %s is still unreachable after %.0f s: %s.", self.where, now - self._down_since, cause
                 )
+
+    @property
+    def read_only(self) -> str | None:
+        """While the server is known to take no writes: why (else ``None``)."""
+        return self._unwritable_cause if self._unwritable_since is not None else None
+
+    def unwritable(self, cause: str, made_in: int | None = None) -> bool:
+        """A connection to this server (made in generation *made_in*) was answered as by a server that
+        takes no writes: drop every connection made before now.  Said once, then once a minute while
+        it lasts; its end is said by :meth:`writable`.  Returns whether this report started a new
+        generation (one per event, not one per part that meets it)."""
+        now = time.monotonic()
+        with self._cond:
+            bumped = made_in is None or made_in == self.generation
+            if bumped:
+                self.generation += 1
+            if self._unwritable_since is None or not self._unwritable_cause:
+                self._unwritable_cause = cause
+            if self._unwritable_since is None:
+                self._unwritable_since = self._unwritable_report = now
+                line = (
+                    f"PostgreSQL at {self.where} takes no writes ({cause}): a standby, or a primary demoted or "
+                    "made read-only. Its connections are dropped and made again (with target_session_attrs="
+                    "read-write in the URL, libpq finds the new primary); outcomes wait and are written there."
+                )
+            elif now - self._unwritable_report >= REMINDER_INTERVAL:
+                self._unwritable_report = now
+                line = f"PostgreSQL at {self.where} still takes no writes after {now - self._unwritable_since:.0f} s."
+            else:
+                return bumped
+        logger.warning(line)
+        return bumped
+
+    def writable(self) -> None:
+        """A connection was made to a server that says it takes writes: the unwritable spell, if any, is over."""
+        if self._unwritable_since is None:
+            return
+        with self._cond:
+            since, self._unwritable_since = self._unwritable_since, None
+        if since is not None:
+            logger.info(
+                "PostgreSQL at %s takes writes again (it took none for %.1f s).", self.where, time.monotonic() - since
+            )
 
     def _connected(self) -> None:
         if self._down_since is None:
@@ -154,12 +215,18 @@ os.register_at_fork(after_in_child=_forget_servers)
 
 
 def where(conninfo: str) -> str:
-    """``host:port/dbname`` of a connection string, never its password."""
+    """``host:port/dbname`` of a connection string (``h1:p1,h2:p2/dbname`` with several hosts), never its
+    password."""
     try:
         info = conninfo_to_dict(conninfo)
     except psycopg.Error:
         info = {}
-    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
+    hosts = str(info.get("host") or "localhost").split(",")
+    ports = str(info.get("port") or 5432).split(",")
+    if len(ports) < len(hosts):  # libpq: one port for all hosts
+        ports = ports[:1] * len(hosts)
+    servers = ",".join(f"{host or 'localhost'}:{port or 5432}" for host, port in zip(hosts, ports, strict=False))
+    return f"{servers}/{info.get('dbname') or ''}"
 
 
 def server_for(conninfo: str) -> Server:
@@ -172,12 +239,91 @@ def server_for(conninfo: str) -> Server:
         return server
 
 
+_MULTI_HOST = re.compile(r"^- host: '([^']*)', port: '([^']*)'.*? failed: (.*)$")
+_ONE_HOST = re.compile(
+    r'connection to server (?:at "([^"]*)"(?: \([^)]*\))?, port (\w+)|on socket "([^"]*)") failed: (.*)$'
+)
+
+
+def connect_failure(error: BaseException) -> str:
+    """Why a connection could not be made, libpq's words without the server's name, which we give.
+
+    With several hosts in the URL, each host tried and its own cause: ``h1:5432: session is
+    read-only; h2:5432: Connection refused`` (psycopg lists them all; the first line names the last).
+    """
+    lines = str(error).splitlines() or [type(error).__name__]
+    causes: dict[str, str] = {}
+    for line in lines:  # psycopg's list of every attempt, if any
+        if found := _MULTI_HOST.match(line):
+            host, port, cause = found.groups()
+            causes.setdefault(f"{host}:{port}", cause.rsplit(" failed: ", 1)[-1])
+    for line in lines if not causes else ():  # else libpq's, one line per host
+        if found := _ONE_HOST.search(line):
+            host, port, socket, cause = found.groups()
+            causes.setdefault(socket or f"{host}:{port}", cause)
+    if len(causes) > 1:
+        return "; ".join(f"{where}: {cause}" for where, cause in causes.items())
+    # libpq says 'connection to server at "host", port N failed: <cause>'; we name the server ourselves.
+    return lines[0].rsplit(" failed: ", 1)[-1]
+
+
+def reports_read_only(conn: psycopg.Connection[Any]) -> bool:
+    """Does the server of *conn* say (as of its last reply) that it takes no writes?
+
+    PostgreSQL 14+ reports ``default_transaction_read_only`` and ``in_hot_standby`` with every reply
+    after they change (a reload included); older servers and some proxies report neither: ``False``.
+    """
+    info = conn.info
+    return info.parameter_status("default_transaction_read_only") == "on" or (
+        info.parameter_status("in_hot_standby") == "on"
+    )
+
+
 class PacedConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose ``connect`` goes through the :class:`Server` it names."""
+    """A psycopg connection whose ``connect`` goes through the :class:`Server` it names, and which
+    remembers that server's generation (see :meth:`Server.unwritable`) and when it was last checked."""
+
+    server: Server
+    generation: int
+    checked_at: float
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
-        return server_for(conninfo).connect(lambda: super(PacedConnection, cls).connect(conninfo, **kwargs))
+        server = server_for(conninfo)
+        generation = server.generation
+        conn = server.connect(lambda: super(PacedConnection, cls).connect(conninfo, **kwargs))
+        conn.server, conn.generation, conn.checked_at = server, generation, time.monotonic()
+        if not reports_read_only(conn):
+            server.writable()
+        return conn
+
+    @property
+    def stale(self) -> bool:
+        """Made before its server was found to take no writes, or the server says it takes none now."""
+        return self.generation != self.server.generation or reports_read_only(self)
+
+
+def check_connection(conn: psycopg.Connection[Any]) -> None:
+    """The pools' check on checkout: raises (and closes *conn*, so the pool replaces it) when it was made
+    before its server was found to take no writes, or its server says it takes none (asked again with
+    one round trip, as is one not handed out for :data:`CHECK_IDLE` seconds), or that round trip fails."""
+    if not isinstance(conn, PacedConnection):
+        return
+    if conn.generation != conn.server.generation:
+        conn.close()
+        raise psycopg.OperationalError("connection made before its server was found to take no writes")
+    now = time.monotonic()
+    if now - conn.checked_at > CHECK_IDLE or reports_read_only(conn):
+        try:
+            conn.execute(b"")  # the reply carries the server's reported settings, a reload's included
+        except psycopg.Error:
+            conn.close()
+            raise
+    conn.checked_at = now
+    if reports_read_only(conn):
+        conn.server.unwritable("it reports itself read-only", conn.generation)
+        conn.close()
+        raise psycopg.OperationalError("connection to a server that takes no writes")
 
 
 class PacedPool(ConnectionPool):
@@ -191,6 +337,7 @@ class PacedPool(ConnectionPool):
 
     def __init__(self, conninfo: str = "", **kwargs: Any) -> None:
         kwargs.setdefault("connection_class", PacedConnection)
+        kwargs.setdefault("check", check_connection)
         super().__init__(conninfo, **kwargs)
 
     def schedule_task(self, task: Any, delay: float) -> None:
@@ -199,4 +346,16 @@ class PacedPool(ConnectionPool):
         super().schedule_task(task, delay)
 
 
-__all__ = ["RETRY_INTERVAL", "REMINDER_INTERVAL", "PacedConnection", "PacedPool", "Server", "server_for", "where"]
+__all__ = [
+    "CHECK_IDLE",
+    "RETRY_INTERVAL",
+    "REMINDER_INTERVAL",
+    "PacedConnection",
+    "PacedPool",
+    "Server",
+    "check_connection",
+    "connect_failure",
+    "reports_read_only",
+    "server_for",
+    "where",
+]

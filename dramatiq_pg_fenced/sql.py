@@ -31,10 +31,12 @@ running    queued     rescue           maintenance; lease expired (any process);
                                        lost_deliveries + 1
 running    dead       rescue           the same, at ``max_deliveries`` lost deliveries
 running    running    extend           the lease keeper; fenced; lease pushed out
-queued     cancelled  cancel           an operator; not fenced (administrative)
-running    cancelled  cancel           an operator; fences out that attempt's outcome
-dead       queued     redrive          an operator; fenced on the state and attempt read
-cancelled  queued     redrive          an operator; fenced on the state and attempt read
+queued     cancelled  cancel           an operator; any attempt (administrative), of the
+                                       version seen if one is given (its seq)
+running    cancelled  cancel           the same; fences out that attempt's outcome
+dead       queued     redrive          an operator; fenced on the row version read
+                                       (:func:`version`: seq and xmin)
+cancelled  queued     redrive          the same
 dead       (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 queued     (deleted)  purge_queue_*    an operator; never a running row
@@ -159,6 +161,21 @@ _LOST = f"""
     delivery = NULL,
     {_retake("m", finished_too=False)}
 """
+
+
+def version(alias: str) -> str:
+    """The row version an operator saw, as text: ``"<seq>.<xmin>"``.
+
+    ``seq`` names the incarnation (an identity column: a message id inserted
+    again after its row was acked or purged gets a new one, though its state
+    and attempt may come to match the old one's); ``xmin``, the transaction
+    that wrote this version of the row (every change of a row writes a new
+    version; locking it does not).  Together they tell the row read from any
+    later one, which the state and attempt alone do not: a message cancelled,
+    re-driven and cancelled again at one attempt reads the same.
+    """
+    return f"({alias}.seq::text || '.' || {alias}.xmin::text)"
+
 
 #: Every statement that joins message rows to a list of ids also says
 #: ``message_id = ANY(those ids)``: an index condition on the primary key
@@ -293,11 +310,12 @@ _TEMPLATES = {
     # the canceller's own ``listen`` (the CLI and a dashboard behind PgBouncer
     # have none; the workers may listen): nobody listening, it costs nothing.
     # The row keeps its token: the lease keeper and the cancel watch find it
-    # cancelled under it.
+    # cancelled under it.  %(seq)s (NULL: any): only the incarnation an
+    # operator saw (its id inserted again is another message).
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
-             WHERE message_id = %(id)s FOR UPDATE
+             WHERE message_id = %(id)s AND (%(seq)s::bigint IS NULL OR seq = %(seq)s::bigint) FOR UPDATE
         )
         UPDATE {schema}.message AS m
            SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
@@ -334,16 +352,17 @@ _TEMPLATES = {
           FROM pg_class c
          WHERE c.oid = to_regclass(%s)
     """,
-    "state_of": "SELECT state, attempt FROM {schema}.message WHERE message_id = %s",
+    "state_of": "SELECT state, attempt, seq FROM {schema}.message WHERE message_id = %s",
     # May a delivery that waited in the prefetch still start?
     "still_held": """
         SELECT 1 FROM {schema}.message WHERE message_id = %s AND delivery = %s AND state = 'running'
     """,
-    "inspect": """
+    "inspect": f"""
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
-               finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until, payload
-          FROM {schema}.message WHERE message_id = %s
+               finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until,
+               {version("m")} AS version, payload
+          FROM {{schema}}.message AS m WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
     "pending": """
@@ -745,21 +764,22 @@ _TEMPLATES.update(
         "resume": "DELETE FROM {schema}.paused_queue WHERE queue_name = %s RETURNING queue_name",
         "paused": "SELECT queue_name, paused_at FROM {schema}.paused_queue ORDER BY queue_name",
         # Re-drive: the rows as they are (the caller rewrites their payloads),
-        # then back to the queue, fenced on the state and attempt it read, so
-        # a message redriven, claimed or purged meanwhile is left alone.
-        "redrive_read": """
-            SELECT message_id, state, attempt, payload, queue_name FROM {schema}.message
+        # then back to the queue, fenced on the row version it read (see
+        # version()), so a message re-driven, claimed, cancelled again or
+        # purged meanwhile is left alone, and so is its id sent again since,
+        # whatever its state and attempt: its payload never becomes the old one's.
+        "redrive_read": f"""
+            SELECT message_id, {version("m")}, payload FROM {{schema}}.message AS m
              WHERE message_id = ANY(%s::uuid[]) AND state IN ('dead', 'cancelled')
         """,
         "redrive": f"""
-            WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::bytea[])
-                                     AS o(id, attempt, state, payload))
+            WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::text[], %s::bytea[]) AS o(id, version, payload))
             UPDATE {{schema}}.message AS m
                SET state = 'queued', payload = o.payload, available_at = now(), finished_at = NULL,
                    lease_expires_at = NULL, consumer_id = NULL,
                    {_retake("m", finished_too=True)}
               FROM o
-             WHERE {_BY_IDS} AND m.message_id = o.id AND m.attempt = o.attempt AND m.state = o.state
+             WHERE {_BY_IDS} AND m.message_id = o.id AND {version("m")} = o.version
                AND m.state IN ('dead', 'cancelled')
             RETURNING m.message_id, m.queue_name
         """,
@@ -767,7 +787,7 @@ _TEMPLATES.update(
             SELECT message_id, queue_name, actor_name, priority, 'done' AS state, attempt, enqueued_at,
                    NULL::timestamptz AS available_at, NULL::timestamptz AS lease_expires_at, consumer_id,
                    finished_at, last_error, NULL::int AS lost_deliveries, claimed_at,
-                   NULL::text AS unique_key, NULL::text AS unique_until, payload
+                   NULL::text AS unique_key, NULL::text AS unique_until, NULL::text AS version, payload
               FROM {schema}.history WHERE message_id = %s
              ORDER BY finished_at DESC
         """,

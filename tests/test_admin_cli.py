@@ -88,6 +88,17 @@ def test_cancel_and_inspect(dramatiq_pg_url, dramatiq_pg_broker):
     unknown = cli(dramatiq_pg_url, "--schema", schema, "inspect", str(uuid.uuid4()))
     assert unknown.returncode == 1
 
+    # A version inspect showed: redrive and cancel act on that row only
+    seen = info["version"]
+    stale = cli(dramatiq_pg_url, "--schema", schema, "redrive", message.message_id, "--seen", seen)
+    assert stale.returncode == 1 and "changed since it was shown" in stale.stderr  # cancelled since
+    seen = json.loads(cli(dramatiq_pg_url, "--schema", schema, "inspect", message.message_id).stdout)["version"]
+    redriven = cli(dramatiq_pg_url, "--schema", schema, "redrive", message.message_id, "--seen", seen)
+    assert redriven.returncode == 0, redriven.stderr
+    gone = cli(dramatiq_pg_url, "--schema", schema, "cancel", message.message_id, "--seen", "999999.1")
+    assert gone.returncode == 1 and gone.stdout.strip() == "not_found"
+    assert dramatiq_pg_broker.inspect(message.message_id)["state"] == "queued"
+
 
 def test_compact_gives_back_what_a_drained_backlog_left(dramatiq_pg_url, dramatiq_pg_broker):
     """After 20,000 messages come and go, the table and its indexes hold several MB; compact (run

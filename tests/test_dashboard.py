@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import threading
 import urllib.parse
@@ -153,6 +154,45 @@ def test_metrics_page_and_unknown_pages(dramatiq_pg_broker: PostgresBroker) -> N
     assert call(app, "/nowhere")[0].startswith("404")
     assert call(app, "/message/not-a-uuid")[0].startswith("400")
     assert call(app, "/messages?queue=emails&state=bogus")[0].startswith("400")
+
+
+def test_a_form_acts_only_on_the_message_its_page_showed(dramatiq_pg_broker: PostgresBroker) -> None:
+    """Given a message's page with its Re-drive (or Cancel) button; when, before the click, the
+    dead letter it showed was purged and its id sent again and dead-lettered at the same attempt
+    (or the queued message it showed was acked and its id sent again), I expect the click to
+    leave the new message alone and say so."""
+    broker = dramatiq_pg_broker
+    broker.declare_queue("emails")
+    app = dashboard_app(broker, actions=True)
+    old = dramatiq.Message(queue_name="emails", actor_name="x", args=(1,), kwargs={}, options={})
+    new = dramatiq.Message(queue_name="emails", actor_name="x", args=(2,), kwargs={}, options={},
+                           message_id=old.message_id)  # fmt: skip
+    dead = "UPDATE {schema}.message SET state = 'dead', attempt = 1, finished_at = now() WHERE message_id = %s"
+
+    def form(action: str) -> dict[str, str]:
+        page = call(app, f"/message/{old.message_id}")[2]
+        (inputs,) = [f for f in page.split("<form")[1:] if f'name="action" value="{action}"' in f]
+        return dict(re.findall(r'<input type=hidden name="([^"]+)" value="([^"]*)">', inputs))
+
+    broker.enqueue(old)
+    query(broker, dead, [old.message_id])
+    redrive = form("redrive")
+    broker.purge_queue("emails", ("dead",))
+    broker.enqueue(new)
+    query(broker, dead, [new.message_id])
+    status, headers, _ = call(app, "/action", "POST", redrive)
+    assert status == "303 See Other" and "not+re-driven" in headers["Location"]
+    info = broker.inspect(old.message_id)
+    assert (info["state"], list(info["args"])) == ("dead", [2])
+
+    broker.purge_queue("emails", ("dead",))
+    broker.enqueue(old)
+    cancel = form("cancel")
+    query(broker, "DELETE FROM {schema}.message WHERE message_id = %s", [old.message_id])  # acked
+    broker.enqueue(new)
+    status, headers, _ = call(app, "/action", "POST", cancel)
+    assert status == "303 See Other" and "not_found" in headers["Location"]
+    assert state(broker, new) == "queued"
 
 
 # -- a real browser --------------------------------------------------------------------------------

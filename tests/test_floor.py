@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import dramatiq
@@ -20,6 +21,7 @@ import psycopg
 import pytest
 from dramatiq.message import Message
 from helpers import query, wait_for
+from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker, consumer
 from dramatiq_pg_fenced.consumer import HEAD, PostgresConsumer
@@ -271,3 +273,57 @@ def test_a_message_sent_in_a_long_transaction_is_claimed_at_its_commit(
         c.ack(got)
     finally:
         c.close()
+
+
+def test_a_late_commit_behind_the_floor_is_claimed_within_a_second_whatever_the_poll_interval(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], dramatiq_pg_url: str
+) -> None:
+    """Given a consumer polling every 30 s (LISTEN on) whose floor lies after the start of a
+    transaction still open elsewhere; when that transaction inserts a row and rings the queue
+    as it commits (an enqueue that committed late: nothing says "!back"), I expect the row
+    claimed by the next look back, within a second, not at the next poll 30 s later."""
+    broker = dramatiq_pg_broker_factory(poll_interval=30, rescue_interval=3600)
+    dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        with psycopg.connect(dramatiq_pg_url) as conn:
+            conn.execute("SELECT now()")  # the transaction has begun: its now() is fixed
+            time.sleep(0.4)
+            send(broker, 0)
+            first = drained_floor(broker, c)  # the floor: 250 ms before this claim, after that now()
+            late = str(uuid.uuid4())
+            payload = Message(queue_name="floor", actor_name="work", args=(1,), kwargs={}, options={},
+                              message_id=late).encode()  # fmt: skip
+            insert = (
+                "INSERT INTO {}.message (message_id, queue_name, actor_name, payload) VALUES (%s, 'floor', 'work', %s)"
+            )
+            conn.execute(sql.SQL(insert).format(sql.Identifier(broker.schema)), [late, payload])
+            conn.execute("SELECT pg_notify(%s, 'floor')", [broker.channel])  # delivered at the commit
+        behind = "SELECT available_at < %s FROM {schema}.message WHERE message_id = %s"
+        assert query(broker, behind, [c.floor.at[0], late]) == [(True,)]
+        got = next_message(c, timeout=10)  # a generous bound; the next poll would come after 30 s
+        assert got.message_id == late
+        c.ack(first)
+        c.ack(got)
+    finally:
+        c.close()
+
+
+def test_a_short_claim_from_the_floor_schedules_a_look_back_that_a_claim_from_the_head_ends() -> None:
+    """Without a database: a short claim from the floor (what rang may lie behind it) makes the
+    consumer claim from the head within LOOK_BACK_EVERY; a claim from the head clears that, so
+    an idle consumer goes back to its poll interval."""
+    floor = consumer.Floor(0, None, "floor")
+    now = datetime.now(timezone.utc)
+    row = (None, None, None, None, 0, now, 1, now)  # priority, available_at, seq at 4-6; now() at 7
+    assert floor.start() is HEAD
+    floor.claimed(HEAD, [row], 4)  # short, from the head: the floor is set, no look back pending
+    assert floor.at is not None and floor.look_back_due is None
+    start = floor.start()
+    assert start is not HEAD
+    floor.claimed(start, [row] * 4, 4)  # full: the consumer claims again at once anyway
+    assert floor.look_back_due is None
+    floor.claimed(start, [], 4)  # short: a look back is due by the head's next turn
+    assert floor.look_back_due is not None and floor.look_back_due - time.monotonic() <= consumer.LOOK_BACK_EVERY
+    floor.claimed(HEAD, [], 4)
+    assert floor.look_back_due is None

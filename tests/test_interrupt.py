@@ -16,6 +16,7 @@ import dramatiq
 import pytest
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.threading import raise_thread_exception
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.results import ResultFailure, Results
 from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
@@ -389,9 +390,6 @@ def test_an_interrupt_that_lands_while_leaving_is_caught_and_reported() -> None:
 def test_the_wrapped_body_ends_cancelled_even_if_it_swallows_the_exception() -> None:
     interrupter = Interrupter(__import__("logging").getLogger("test"))
 
-    class Proxy:
-        message_id, attempt, delivery = "m1", 1, "t1"
-
     def swallow() -> str:
         try:
             spin(30)
@@ -441,6 +439,84 @@ def test_a_cancel_inside_a_shielded_block_stops_the_body_as_the_block_ends() -> 
     assert isinstance(out.get("raised"), MessageCancelled)
     with shielded():  # outside an interruptible body: nothing
         pass
+
+
+class Proxy:
+    message_id, attempt, delivery = "m1", 1, "t1"
+
+
+def cancel_from_another_thread(interrupter: Interrupter, delivery: str) -> None:
+    """As the doorbell's listener, the cancel watch or the lease keeper do: a cancel reported on
+    another thread, returned from before this one goes on (so its exception is pending here)."""
+    canceller = threading.Thread(target=interrupter.cancelled, args=("m1", delivery))
+    canceller.start()
+    canceller.join()
+
+
+def run_wrapped(interrupter: Interrupter, body: Callable[[], Any]) -> dict[str, Any]:
+    """*body* as the actor of delivery t1 on a thread of its own; then, on that thread, what it
+    runs next: an interrupt.sleep(0.2) and pure Python, where a stray exception would land."""
+    from dramatiq_pg_fenced import delivery
+
+    run = interruptible(body, lambda: interrupter)
+
+    def thread_body() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        delivery.start(Proxy())  # type: ignore[arg-type]
+        try:
+            seen["returned"] = run()
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            seen["raised"] = e
+        finally:
+            delivery.start(None)
+        began = time.monotonic()
+        interrupt.sleep(0.2)  # not an interruptible body any more: a plain sleep
+        seen["slept"] = time.monotonic() - began
+        spin(0.1)
+        return seen
+
+    thread, out = in_thread(thread_body)
+    thread.join(10)
+    assert "raised" not in out, out  # nothing landed in what the thread ran next
+    return out["value"]
+
+
+@pytest.mark.parametrize("window", ["returned", "entered", "time limit"])
+def test_a_cancel_landing_between_the_body_and_its_registration_leaves_nothing_behind(window: str) -> None:
+    """Given a cancel reported on another thread exactly between the body's return and its
+    unregistering (or between its registering and the body's start); I expect the delivery to
+    end with MessageCancelled raised by the wrapper, no entry left in the registry, and nothing
+    left on the thread: what it runs next sleeps and runs undisturbed.  The same for another
+    interrupt that lands there (Dramatiq's time limit): it is raised once the entry is gone."""
+    forced: list[str] = []
+
+    class CancelledInTheWindow(Interrupter):
+        def enter(self, message_id: str, attempt: int, delivery: str) -> bool:
+            entered = super().enter(message_id, attempt, delivery)
+            if window == "entered" and not forced:
+                forced.append(delivery)
+                cancel_from_another_thread(self, delivery)  # lands before the body starts
+            return entered
+
+        def leave(self, delivery: str) -> bool:
+            if window == "returned" and not forced:
+                forced.append(delivery)
+                cancel_from_another_thread(self, delivery)  # lands before leave() takes the lock
+            if window == "time limit" and not forced:
+                forced.append(delivery)
+                raise_thread_exception(threading.get_ident(), TimeLimitExceeded)  # lands as leave() starts
+            return super().leave(delivery)
+
+    interrupter = CancelledInTheWindow(__import__("logging").getLogger("test"))
+    ran: list[str] = []
+    seen = run_wrapped(interrupter, lambda: ran.append("body") or "done")
+    assert forced == ["t1"] and interrupter.interrupts == (0 if window == "time limit" else 1)
+    expected = TimeLimitExceeded if window == "time limit" else MessageCancelled
+    assert isinstance(seen.get("raised"), expected), seen
+    assert ran == ([] if window == "entered" else ["body"])
+    assert interrupter._running == {}  # no entry outlives its delivery
+    assert interrupter.cancelled("m1", "t1") is False  # a late cancel interrupts nothing any more
+    assert seen["slept"] >= 0.15  # the thread's entry is gone too: its cancelled wake no longer ends sleeps
 
 
 def test_with_throws_adds_message_cancelled_once() -> None:

@@ -10,7 +10,7 @@ import pytest
 from dramatiq.middleware import CurrentMessage
 from helpers import Factory, query, running_worker, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced import PostgresBroker, admin
 from dramatiq_pg_fenced.maintenance import HISTORY_BATCH
 
 
@@ -112,6 +112,63 @@ def test_redrive_is_fenced_on_the_state_it_read(dramatiq_pg_broker: PostgresBrok
     assert broker.redrive(m.message_id) is False  # queued now: a second re-drive changes nothing
     with pytest.raises(ValueError, match="not a message id"):
         broker.redrive("nope")
+
+
+def test_a_redrive_never_resurrects_another_incarnation_of_the_id(
+    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a dead letter (attempt 1); when, between the re-drive's read and its write, it is
+    purged and its id sent again, claimed once and dead-lettered (the same id, state and
+    attempt), I expect the re-drive to leave the new message alone: still dead, its own payload."""
+    broker = dramatiq_pg_broker
+    broker.declare_queue("q2")
+    old = message("q2", note="old")
+    broker.enqueue(old)
+    dead = "UPDATE {schema}.message SET state = 'dead', attempt = 1, finished_at = now() WHERE message_id = %s"
+    query(broker, dead, [old.message_id])
+    new = dramatiq.Message(queue_name="q2", actor_name="x", args=(2,), kwargs={}, options={"note": "new"},
+                           message_id=old.message_id)  # fmt: skip
+    reset = admin.reset_payload
+
+    def meanwhile(payload: bytes) -> bytes:  # called after the read, before the write
+        if query(broker, "SELECT count(*) FROM {schema}.message WHERE message_id = %s", [old.message_id]) == [(1,)]:
+            assert broker.purge_queue("q2", ("dead",)) == {"dead": 1}
+            broker.enqueue(new)
+            query(broker, dead, [new.message_id])
+        return reset(payload)
+
+    monkeypatch.setattr(admin, "reset_payload", meanwhile)
+    done = admin.redrive(broker.database, broker.statements, [old.message_id], broker.channel)
+    assert done.redriven == [] and old.message_id in done.skipped
+    info = broker.inspect(old.message_id)
+    assert (info["state"], info["attempt"], info["options"]["note"], list(info["args"])) == ("dead", 1, "new", [2])
+
+
+def test_a_redrive_or_cancel_from_a_page_applies_only_to_the_row_it_showed(
+    dramatiq_pg_broker: PostgresBroker,
+) -> None:
+    """Given what an operator read of a message (inspect's version, as the dashboard's forms
+    carry it); when the message changed since (re-driven and dead again, or gone and its id
+    sent again), I expect a re-drive or cancel naming that version to change nothing."""
+    broker = dramatiq_pg_broker
+    broker.declare_queue("q3")
+    m = message("q3")
+    broker.enqueue(m)
+    seen_queued = broker.inspect(m.message_id)["version"]
+    broker.cancel(m.message_id)
+    seen = broker.inspect(m.message_id)["version"]
+    assert broker.redrive(m.message_id, seen=seen) is True
+    broker.cancel(m.message_id)  # cancelled again, at the same attempt: another version
+    assert broker.redrive(m.message_id, seen=seen) is False
+    assert broker.inspect(m.message_id)["state"] == "cancelled"
+    # Gone (acked), and its id sent again: a cancel for the one shown does not reach the new one
+    query(broker, "DELETE FROM {schema}.message WHERE message_id = %s", [m.message_id])
+    broker.enqueue(m)
+    assert broker.cancel(m.message_id, seen=seen_queued).value == "not_found"
+    assert broker.inspect(m.message_id)["state"] == "queued"
+    assert broker.cancel(m.message_id, seen=broker.inspect(m.message_id)["version"]).value == "cancelled_queued"
+    with pytest.raises(ValueError, match="version"):
+        broker.redrive(m.message_id, seen="nope")
 
 
 def test_redrive_a_whole_queue(dramatiq_pg_broker: PostgresBroker) -> None:
