@@ -62,9 +62,18 @@ def refused_for_good(error: BaseException) -> bool:
         return error.sqlstate.startswith(_FOR_GOOD_SQLSTATES)
     if not isinstance(error, psycopg.OperationalError):
         return False
-    # 'connection to server at "h", port 5432 failed: FATAL:  password authentication failed for user "app"'
-    text = (str(error).splitlines() or [""])[0].rsplit(" failed: ", 1)[-1].lower()
-    return any(words in text for words in _FOR_GOOD)
+    # 'connection to server at "h", port 5432 failed: FATAL:  password authentication failed for user "app"';
+    # with several hosts in the URL, psycopg lists each attempt ("- host: 'h1', port: ...: <that>"), or
+    # libpq gives a line per host: the refusal is for good only if every host refused for good (one
+    # down, or a standby, may be a failover under way).
+    lines = str(error).splitlines() or [""]
+    attempts = (
+        [line for line in lines if line.startswith("- host: ")]
+        or [line for line in lines if line.startswith("connection to server ") and " failed: " in line]
+        or lines[:1]
+    )
+    causes = [line.rsplit(" failed: ", 1)[-1].lower() for line in attempts]
+    return all(any(words in cause for words in _FOR_GOOD) for cause in causes)
 
 
 def check(database: Database) -> str | None:

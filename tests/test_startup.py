@@ -202,6 +202,16 @@ def test_a_worker_started_in_process_on_an_unmigrated_schema_raises(dramatiq_pg_
         broker.close()
 
 
+MULTI_HOST = (
+    'connection failed: connection to server at "db2", port 5432 failed: FATAL:  role "app" does not exist\n'
+    "Multiple connection attempts failed. All failures were:\n"
+    "- host: 'db1', port: '5432', hostaddr: '10.0.0.1': connection failed: connection to server at \"db1\" "
+    "(10.0.0.1), port 5432 failed: {}\n"
+    "- host: 'db2', port: '5432', hostaddr: '10.0.0.2': connection failed: connection to server at \"db2\" "
+    "(10.0.0.2), port 5432 failed: {}"
+)
+
+
 @pytest.mark.parametrize(
     ("text", "for_good"),
     [
@@ -219,12 +229,17 @@ def test_a_worker_started_in_process_on_an_unmigrated_schema_raises(dramatiq_pg_
         ('connection to server at "db", port 5432 failed: FATAL:  sorry, too many clients already', False),
         ('connection to server at "db", port 5432 failed: FATAL:  remaining connection slots are reserved for roles with the SUPERUSER attribute', False),
         ('could not translate host name "db" to address: Name or service not known', False),
+        ('connection to server at "db", port 5432 failed: server is in hot standby mode', False),
+        (MULTI_HOST.format("Connection refused", 'FATAL:  role "app" does not exist'), False),
+        (MULTI_HOST.format('FATAL:  role "app" does not exist', 'FATAL:  role "app" does not exist'), True),
+        ('connection to server at "db1" (10.0.0.1), port 5432 failed: server is in hot standby mode\n'
+         'connection to server at "db2" (10.0.0.2), port 5432 failed: FATAL:  role "app" does not exist', False),
     ],
 )  # fmt: skip
 def test_which_connection_failures_can_never_work(text: str, for_good: bool) -> None:
     """A refusal that names the configuration (role, password, database, pg_hba.conf) is for good; a
-    server that cannot be reached, or is starting, stopping or full, may answer later (an unknown host
-    name too: DNS during a deploy)."""
+    server that cannot be reached, or is starting, stopping, full or a standby, may answer later (an
+    unknown host name too: DNS during a deploy).  With several hosts, only if every one refused for good."""
     assert refused_for_good(psycopg.OperationalError(text)) is for_good
 
 
