@@ -91,7 +91,7 @@ def state_of(database: Database, statements: Statements, message_id: str) -> tup
 _INSPECT_COLUMNS = (
     "message_id", "queue_name", "actor_name", "priority", "state", "attempt", "enqueued_at",
     "available_at", "lease_expires_at", "lease_holder", "finished_at", "last_error", "lost_deliveries", "claimed_at",
-    "unique_key", "unique_until", "version",
+    "unique_key", "unique_until", "version", "still_running",
 )  # fmt: skip
 
 
@@ -120,14 +120,17 @@ def inspect(database: Database, statements: Statements, message_id: str) -> dict
     return info
 
 
-_HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_seconds", "last_error")
+_HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_seconds", "error", "last_error")
 
 
 def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
-    info = dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True))
+    info = _with_error(dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True)))
     info["message_id"] = str(info["message_id"])
     started, finished = info.get("claimed_at"), info.get("finished_at")
     info["ran_seconds"] = (finished - started).total_seconds() if started and finished else None
+    if info["still_running"]:  # cancelled, its actor still runs: it has not finished
+        info["ran_seconds"] = None
+        info["note"] = still_running_note(info["lease_holder"], started)
     if not decode:
         return info
     try:
@@ -139,6 +142,61 @@ def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
         info["retries"] = None
         info["decode_error"] = str(e)
     return info
+
+
+def still_running_note(holder: str | None, since: datetime | None) -> str:
+    """What operators are told of a cancelled message whose actor still runs."""
+    when = f" since {since.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC" if since is not None else ""
+    return f"cancel requested, still running on {holder or 'an unknown worker'}{when}"
+
+
+# -- errors ------------------------------------------------------------------------
+_TRACEBACK = "Traceback (most recent call last):"
+#: Between the lines of an exception shown on one line.
+NEWLINE = " \u23ce "
+
+
+def error_summary(text: str | None, limit: int = 300) -> str:
+    """The exception a stored error names, on one line, type and message first: ``ValueError: boom``.
+
+    ``last_error`` holds Dramatiq's traceback (else the exception's repr, or a
+    note of ours such as "retry refused: ..." before the traceback).  The
+    exception is the run of unindented lines at the end of the last
+    traceback (its frames are indented): a message of several lines and its
+    notes included, joined with " ⏎ ".  A note of ours before the first
+    traceback follows it.  A text without a traceback is shown whole.  Longer
+    than *limit* characters: cut, ending with "…".
+    """
+    if not text:
+        return ""
+    lines = text.strip("\n").splitlines()
+    if _TRACEBACK not in lines:
+        shown = [line.strip() for line in lines if line.strip()]
+    else:
+        exception: list[str] = []
+        for line in reversed(lines):
+            if line[:1].isspace() or line == _TRACEBACK or _cut_note(line):
+                break
+            exception.append(line)
+        note = lines[: lines.index(_TRACEBACK)]
+        shown = [line for line in (*reversed(exception), *note) if line.strip()] or [lines[-1].strip()]
+    summary = NEWLINE.join(shown)
+    return summary if len(summary) <= limit else summary[: limit - 1] + "\u2026"
+
+
+def _cut_note(line: str) -> bool:
+    """The note left where a long text was cut (:func:`.delivery.storable_text`, a listed error)."""
+    return line.startswith("[... ") and line.endswith(" ...]")
+
+
+def _with_error(row: dict[str, Any]) -> dict[str, Any]:
+    """*row* with ``error`` (:func:`error_summary` of its ``last_error``) just before ``last_error``."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "last_error":
+            out["error"] = error_summary(value) or None
+        out[key] = value
+    return out
 
 
 # -- re-drive ----------------------------------------------------------------------
@@ -203,22 +261,37 @@ def redrive(
 
     back = database.run(work, transaction=True)
     done.redriven = [m for m, _ in back]
-    for message_id in ids:
-        if message_id not in done.redriven and message_id not in done.skipped:
-            done.skipped[message_id] = "not dead or cancelled (or changed meanwhile)"
+    left = [m for m in ids if m not in done.redriven and m not in done.skipped]
+    if left:  # why not: a cancelled one whose actor still runs is re-driven when it ends
+        running = {str(r[0]): r for r in _fetch(database, statements.still_running, [left])}
+        for message_id in left:
+            row = running.get(message_id)
+            done.skipped[message_id] = (
+                "not dead or cancelled (or changed meanwhile)"
+                if row is None
+                else f"{still_running_note(row[1], row[2])}: re-drive it when it ends"
+            )
     return done
 
 
 def redrive_queue(
-    database: Database, statements: Statements, queue_name: str, states: Iterable[str], channel: str | None
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    channel: str | None,
+    *,
+    actor: str | None = None,
 ) -> Redriven:
-    """Re-drive every dead (and/or cancelled) message of a queue, oldest first, a batch at a time."""
+    """Re-drive every dead (and/or cancelled) message of a queue (of *actor* only, if given), oldest
+    first, a batch at a time."""
     check_queue(queue_name)
     total = Redriven()
     for state in _finished_states(states):
         select = getattr(statements, f"redrive_ids_{state}")
         while True:
-            rows = _fetch(database, select, [queue_name, list(total.skipped), BATCH])
+            params = {"queue": queue_name, "skip": list(total.skipped), "actor": actor or None, "limit": BATCH}
+            rows = _fetch(database, select, params)
             if not rows:
                 break
             step = redrive(database, statements, [str(r[0]) for r in rows], channel)
@@ -231,10 +304,6 @@ def _fetch(database: Database, statement: bytes, params: Any) -> list[Any]:
     return database.run(lambda conn: conn.execute(statement, params).fetchall())
 
 
-def _rowcount(database: Database, statement: bytes, params: Any) -> int:
-    return database.run(lambda conn: conn.execute(statement, params).rowcount)
-
-
 def _finished_states(states: Iterable[str]) -> list[str]:
     states = list(states)
     for state in states:
@@ -245,26 +314,100 @@ def _finished_states(states: Iterable[str]) -> list[str]:
 
 # -- queues ------------------------------------------------------------------------
 PURGEABLE = ("queued", "dead", "cancelled", "done")
+#: Known queues named in an error at most.
+NAMED_QUEUES = 30
 
 
-def purge_queue(database: Database, statements: Statements, queue_name: str, states: Iterable[str]) -> dict[str, int]:
-    """Delete a queue's messages in the given states, in bounded batches; never a running one.
+class UnknownQueue(ValueError):
+    """An operator's action named a queue nothing knows of (a typo would otherwise act on a phantom queue)."""
 
-    ``done`` is the queue's history.  Returns rows deleted per state.
+
+def known_queues(database: Database, statements: Statements) -> list[str]:
+    """The queues the database knows of, sorted: those with messages in any state, with history, with
+    outcomes in the last two hours, paused, or enqueued into by a schedule."""
+    return [r[0] for r in database.run(lambda conn: conn.execute(statements.known_queues).fetchall())]
+
+
+def check_known(
+    database: Database, statements: Statements, queue_name: str, *, declared: Iterable[str] = (), hint: str = ""
+) -> str:
+    """*queue_name*, if the database knows it (:func:`known_queues`) or it is among *declared* (the
+    queues of a broker's actors); :class:`UnknownQueue` naming the known ones otherwise (*hint*: how
+    to act on it anyway)."""
+    check_queue(queue_name)
+    declared = set(declared)
+    if queue_name in declared:
+        return queue_name
+    known = sorted(declared.union(known_queues(database, statements)))
+    if queue_name in known:
+        return queue_name
+    raise unknown_queue(queue_name, known, hint)
+
+
+def unknown_queue(queue_name: str, known: list[str], hint: str = "") -> UnknownQueue:
+    """The error for *queue_name*, not among *known*."""
+    names = ", ".join(known[:NAMED_QUEUES])
+    if len(known) > NAMED_QUEUES:
+        names += f" and {len(known) - NAMED_QUEUES} more"
+    return UnknownQueue(
+        f"no queue {queue_name!r}: no message, history, pause or schedule names it "
+        f"(known: {names or 'none'}){'; ' + hint if hint else ''}"
+    )
+
+
+def purge_queue(
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    *,
+    actor: str | None = None,
+    ids: list[str] | None = None,
+) -> dict[str, int]:
+    """Delete a queue's messages in the given states (of *actor* only, if given), in bounded batches;
+    never a running one.
+
+    ``done`` is the queue's history.  Returns rows deleted per state; the ids
+    deleted are appended to *ids* when given.
     """
     check_queue(queue_name)
-    deleted: dict[str, int] = {}
+    states = list(states)
     for state in states:
         if state not in PURGEABLE:
             raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
+    deleted: dict[str, int] = {}
+    params = {"queue": queue_name, "actor": actor or None, "limit": BATCH}
+    for state in states:
         statement = getattr(statements, f"purge_queue_{state}")
         deleted[state] = 0
         while True:
-            n = _rowcount(database, statement, [queue_name, BATCH])
-            deleted[state] += max(n, 0)
-            if n < BATCH:
+            rows = _fetch(database, statement, params)
+            deleted[state] += len(rows)
+            if ids is not None:
+                ids.extend(str(r[0]) for r in rows)
+            if len(rows) < BATCH:
                 break
     return deleted
+
+
+def purge_counts(
+    database: Database,
+    statements: Statements,
+    queue_name: str,
+    states: Iterable[str],
+    *,
+    actor: str | None = None,
+    cap: int | None = None,
+) -> dict[str, int]:
+    """How many rows :func:`purge_queue` would delete now, per state; each count stops at *cap*."""
+    check_queue(queue_name)
+    counts: dict[str, int] = {}
+    params = {"queue": queue_name, "actor": actor or None, "cap": cap}
+    for state in states:
+        if state not in PURGEABLE:
+            raise ValueError(f"cannot purge state {state!r}: one of {', '.join(PURGEABLE)}")
+        (counts[state],) = _fetch(database, getattr(statements, f"count_queue_{state}"), params)[0]
+    return counts
 
 
 def pause(database: Database, statements: Statements, queue_name: str) -> bool:
@@ -295,7 +438,7 @@ def paused(database: Database, statements: Statements) -> dict[str, datetime]:
 LISTABLE = ("queued", "running", "dead", "cancelled", "done")
 _LIST_COLUMNS = (
     "message_id", "actor_name", "state", "attempt", "priority", "enqueued_at", "at", "finished_at",
-    "lease_holder", "last_error",
+    "lease_holder", "last_error", "running_since",
 )  # fmt: skip
 #: Where each state's first page starts (the cursor of "nothing shown yet").
 _FIRST = {
@@ -370,15 +513,16 @@ def list_messages(
         following, searched = edge, int(edge[-1])
     page = []
     for row in rows:
-        item = dict(zip(_LIST_COLUMNS, row[:-3], strict=True))
+        item = _with_error(dict(zip(_LIST_COLUMNS, row[:-3], strict=True)))
         item["message_id"] = str(item["message_id"])
+        item["still_running"] = item["running_since"] is not None  # cancelled, its actor still runs
         page.append(item)
     return Page(page, page_cursor(state, following) if following else None, searched)
 
 
 def page_cursor(state: str, row: tuple) -> str:
     """The sort key of *row* (columns as the list statements return them)."""
-    seq = row[10]
+    seq = row[11]
     if state == "queued":
         return f"{row[4]}|{_stamp(row[6])}|{seq}"
     if state == "running":
@@ -399,17 +543,22 @@ _OVERVIEW_COLUMNS = (
 
 
 def overview(database: Database, statements: Statements, *, cap: int | None = None) -> list[dict[str, Any]]:
-    """Per queue: due, delayed, running (prefetched included: the database cannot
-    tell them apart), expired leases, dead, cancelled, outcomes of the last
-    minute and hour, stale writes (ever), age of the oldest due message,
-    paused since.  Counts stop at *cap* per priority (``None``: exact)."""
+    """Per queue: queued (``due`` now + ``delayed``: due later), running
+    (prefetched included: the database cannot tell them apart), expired
+    leases, dead, cancelled, outcomes of the last minute and hour, stale
+    writes (ever), age of the oldest due message, paused since.  Counts stop
+    at *cap* per priority (``None``: exact)."""
 
     def read(conn: psycopg.Connection) -> list[Any]:
         conn.execute(statements.no_jit)
         return conn.execute(statements.overview, {"cap": cap}).fetchall()
 
     rows = database.run(read, transaction=True)
-    return [dict(zip(_OVERVIEW_COLUMNS, row, strict=True)) for row in rows]
+    queues = []
+    for row in rows:
+        figures = dict(zip(_OVERVIEW_COLUMNS, row, strict=True))
+        queues.append({"queue": figures.pop("queue"), "queued": figures["due"] + figures["delayed"], **figures})
+    return queues
 
 
 def counters(database: Database, statements: Statements) -> dict[str, int]:
@@ -489,12 +638,13 @@ def _vacuum_full(conn: psycopg.Connection, statements: Statements, table: str, l
 
 class OperatorMethods:
     """What operators do, as methods of :class:`~.broker.PostgresBroker` (a mixin: it needs the
-    broker's ``database``, ``statements``, ``channel`` and ``listen``)."""
+    broker's ``database``, ``statements``, ``channel``, ``listen`` and declared ``queues``)."""
 
     database: Database
     statements: Statements
     channel: str
     listen: bool
+    queues: set[str]
 
     def cancel(self, message_id: str, *, seen: str | None = None) -> CancelOutcome:
         """Cancel a message so it never runs (again).
@@ -527,29 +677,50 @@ class OperatorMethods:
         shown = None if seen is None else {message_id: seen}
         return bool(redrive(self.database, self.statements, [message_id], self._ring, seen=shown).redriven)
 
-    def redrive_queue(self, queue_name: str, states: tuple[str, ...] = ("dead",)) -> Redriven:
-        """Re-drive every dead (or, with ``states``, cancelled) message of a queue."""
-        return redrive_queue(self.database, self.statements, queue_name, states, self._ring)
+    def redrive_queue(
+        self, queue_name: str, states: tuple[str, ...] = ("dead",), *, actor: str | None = None
+    ) -> Redriven:
+        """Re-drive every dead (or, with ``states``, cancelled) message of a queue (of *actor* only, if given)."""
+        self._known(queue_name)
+        return redrive_queue(self.database, self.statements, queue_name, states, self._ring, actor=actor)
 
     def purge_queue(
-        self, queue_name: str, states: tuple[str, ...] = ("queued", "dead", "cancelled", "done")
+        self,
+        queue_name: str,
+        states: tuple[str, ...] = ("queued", "dead", "cancelled", "done"),
+        *,
+        actor: str | None = None,
     ) -> dict[str, int]:
-        """Delete a queue's messages in *states* (``done``: its history), in bounded batches; never running ones."""
-        return purge_queue(self.database, self.statements, queue_name, states)
+        """Delete a queue's messages in *states* (``done``: its history; of *actor* only, if given), in
+        bounded batches; never running ones."""
+        self._known(queue_name)
+        return purge_queue(self.database, self.statements, queue_name, states, actor=actor)
 
-    def pause(self, queue_name: str) -> bool:
-        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish."""
+    def pause(self, queue_name: str, *, create: bool = False) -> bool:
+        """Consumers of every process stop claiming from the queue (it survives restarts); running ones finish.
+
+        A queue neither the database nor this broker's actors know of is refused
+        (:class:`.admin.UnknownQueue`) unless *create*: paused ahead of its first message.
+        """
+        if not create:
+            self._known(queue_name, hint="pause(queue, create=True) pauses a queue before its first message")
         return pause(self.database, self.statements, queue_name)
 
     def resume(self, queue_name: str) -> bool:
         """Undo :meth:`pause`; consumers are woken at once."""
+        self._known(queue_name)
         return resume(self.database, self.statements, queue_name, self._ring)
 
     def list_messages(
         self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
     ) -> Page:
         """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
+        self._known(queue_name)
         return list_messages(self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit)
+
+    def _known(self, queue_name: str, hint: str = "") -> None:
+        """Refuse a queue nothing knows of (:func:`.admin.check_known`); this broker's declared queues are known."""
+        check_known(self.database, self.statements, queue_name, declared=self.queues, hint=hint)
 
     def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
         """Per queue: the operator's figures (see :func:`.admin.overview`)."""

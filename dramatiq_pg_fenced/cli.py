@@ -6,7 +6,7 @@ administers the database side.  Options go before or after the command.
 Exit codes: 0 done; 1 the thing asked for did not apply (no such message,
 nothing to cancel or re-drive, a queue already paused); 2 bad usage (an
 unknown option, a message id that is not a UUID, a bad queue or schema
-name); 3 the database failed (unreachable, refused the statement, schema
+name, a queue nothing knows of); 3 the database failed (unreachable, refused the statement, schema
 missing or out of date).  Output cut short by a closed pipe (``| head``) ends
 quietly with 0.
 """
@@ -14,9 +14,11 @@ quietly with 0.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("message_id")
     cancel.add_argument("--seen", metavar="VERSION", help=seen_help)
     command("inspect", "a message's state, attempt, lease, timing and last error (JSON)").add_argument("message_id")
-    stats = command("stats", "per queue: due, delayed, running, dead, cancelled, done, oldest due, expired leases")
+    stats = command(
+        "stats", "per queue: queued (delayed: due later), running, dead, cancelled, done, oldest due, expired leases"
+    )
     stats.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
     listing = command("list", "list a queue's messages in one state (default: its dead letters, newest first)")
     listing.add_argument("--queue", required=True)
@@ -90,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--queue", required=True)
     purge.add_argument("--state", choices=admin.PURGEABLE, help="only this state (default: all of them)")
     purge.add_argument("--yes", action="store_true", help="required: this deletes messages")
+    for bulk in (redrive, purge):
+        bulk.add_argument("--actor", help="with --queue: only this actor's messages")
+        bulk.add_argument("--verbose", action="store_true", help="with --queue: print every message id, not a count")
     listed = command("schedules", "every schedule: when it ticks, its last tick and message, its next tick, stale ones")
     listed.add_argument("--json", action="store_true")
     listed.add_argument("--forget", metavar="NAME", help="remove a stale schedule's row (a removed schedule)")
@@ -99,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     scheduler.add_argument(
         "module", help="the module that declares the broker, its actors and schedules (as for dramatiq)"
     )
-    command("pause", "consumers stop claiming from a queue (survives restarts)").add_argument("queue")
+    pause = command("pause", "consumers stop claiming from a queue (survives restarts)")
+    pause.add_argument("queue")
+    pause.add_argument("--create", action="store_true", help="pause a queue no message, pause or schedule names yet")
     command("resume", "consumers claim from a paused queue again").add_argument("queue")
     command("compact", "give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)")
     metrics = command("metrics", "serve Prometheus metrics of the queues (or print them once)")
@@ -143,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")  # a terminal that cannot show a character: escaped, no crash
     if args.command == "scheduler":
         return _scheduler(args.module)
     try:
@@ -196,6 +207,11 @@ def _fail(text: str, code: int) -> int:
 def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> int:
     db, st, ring = broker.database, broker.statements, broker.channel  # NOTIFY works without LISTEN
     command = args.command
+    queue = getattr(args, "queue", None) if command in _QUEUE_COMMANDS else None
+    if queue is not None and not getattr(args, "create", False):
+        # A typo must not pause (or list, purge...) a phantom queue: exit 2, naming the known ones.
+        hint = "pause --create pauses a queue before its first message" if command == "pause" else ""
+        admin.check_known(db, st, queue, hint=hint)
     if command == "migrate":
         applied = broker.migrate()
         done = ", ".join(map(str, applied)) if applied else "nothing to do"
@@ -251,22 +267,32 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
             raise ValueError("give message ids or --queue, one of the two")
         if args.seen is not None and len(ids) != 1:
             raise ValueError("--seen is the version of one message: give one MESSAGE_ID")
+        if args.actor and not args.queue:
+            raise ValueError("--actor goes with --queue")
         if args.queue:
             again = FINISHED_STATES if args.state == "all" else (args.state,)
-            result = admin.redrive_queue(db, st, args.queue, again, ring)
+            result = admin.redrive_queue(db, st, args.queue, again, ring, actor=args.actor)
         else:
             result = admin.redrive(db, st, ids, ring, seen=None if args.seen is None else {ids[0]: args.seen})
-        for message_id in result.redriven:
-            print(f"redriven {message_id}")
-        for message_id, why in result.skipped.items():
-            print(f"skipped {message_id}: {why}", file=sys.stderr)
-        print(f"{len(result.redriven)} re-driven, {len(result.skipped)} skipped", file=sys.stderr)
+        # Ids named on the command line are answered one by one; a whole queue's, counted (--verbose: listed).
+        one_by_one = not args.queue or args.verbose
+        if one_by_one:
+            for message_id in result.redriven:
+                print(f"redriven {message_id}")
+        _skipped(result.skipped, one_by_one)
+        print(
+            f"{len(result.redriven)} re-driven, {len(result.skipped)} skipped",
+            file=sys.stdout if args.queue else sys.stderr,
+        )
         return OK if result.redriven or (args.queue and not result.skipped) else NOT_APPLIED
     if command == "purge":
         if not args.yes:
             raise ValueError("purge deletes messages: add --yes")
         purged = (args.state,) if args.state else admin.PURGEABLE
-        deleted = admin.purge_queue(db, st, args.queue, purged)
+        gone: list[str] | None = [] if args.verbose else None
+        deleted = admin.purge_queue(db, st, args.queue, purged, actor=args.actor, ids=gone)
+        for message_id in gone or ():
+            print(f"deleted {message_id}")
         print(", ".join(f"{state} {n}" for state, n in deleted.items()))
         return OK
     if command in ("pause", "resume"):
@@ -285,6 +311,20 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "dashboard":
         return _dashboard(broker, args)
     raise AssertionError(command)
+
+
+#: The commands that name a queue (refused for a queue nothing knows of).
+_QUEUE_COMMANDS = ("list", "redrive", "purge", "pause", "resume")
+
+
+def _skipped(skipped: dict[str, str], one_by_one: bool) -> None:
+    """On stderr: each message not re-driven and why, or (a whole queue's) how many for each reason."""
+    if one_by_one:
+        for message_id, why in skipped.items():
+            print(f"skipped {message_id}: {why}", file=sys.stderr)
+        return
+    for why, n in Counter(skipped.values()).most_common():
+        print(f"skipped {n}: {why}", file=sys.stderr)
 
 
 def _scheduler(module: str) -> int:
@@ -413,7 +453,7 @@ def _dashboard_auth(path: str | None) -> str | None:
 
 # -- output ----------------------------------------------------------------------------
 _STATS_HEADS = (
-    ("queue", "queue"), ("paused", "paused_since"), ("due", "due"), ("delayed", "delayed"),
+    ("queue", "queue"), ("paused", "paused_since"), ("queued", "queued"), ("delayed", "delayed"),
     ("running", "running"), ("expired", "expired_leases"), ("dead", "dead"), ("cancelled", "cancelled"),
     ("done/1m", "done_last_minute"), ("done/1h", "done_last_hour"), ("dead/1h", "dead_last_hour"),
     ("stale", "stale_writes"), ("oldest due", "oldest_due_seconds"),
@@ -436,7 +476,7 @@ def stats_table(queues: list[dict[str, Any]], totals: dict[str, int]) -> str:
     table = _columns([h for h, _ in _STATS_HEADS], rows) if rows else "no messages in any queue"
     footer = (
         f"stale writes: {totals.get('stale_writes', 0)}   redeliveries: {totals.get('redeliveries', 0)}"
-        "   (running includes prefetched messages)"
+        "   (queued includes delayed: due later; running includes prefetched messages)"
     )
     return f"{table}\n{footer}"
 
@@ -473,11 +513,11 @@ def list_table(rows: list[dict[str, Any]]) -> str:
         [
             r["message_id"],
             r["actor_name"],
-            r["state"],
+            r["state"] + (" (still running)" if r["still_running"] else ""),  # cancel requested, the actor runs
             str(r["attempt"]),
             _when(r["enqueued_at"]),
-            _when(r["finished_at"]),
-            ((r["last_error"] or "").strip().splitlines() or [""])[-1][:80],
+            "" if r["still_running"] else _when(r["finished_at"]),
+            admin.error_summary(r["last_error"], limit=80),
         ]
         for r in rows
     ]
@@ -501,7 +541,7 @@ def _columns(heads: list[str], rows: list[list[str]]) -> str:
 
 
 def _print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
+    json.dump(data, sys.stdout, indent=2, default=str, ensure_ascii=False)  # text as text: "café", not "caf\u00e9"
     sys.stdout.write("\n")
 
 

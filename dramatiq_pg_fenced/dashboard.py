@@ -50,6 +50,8 @@ from .sql import FINISHED_STATES, Statements, check_queue
 #: Counts on the queues page stop here (shown as "10,000+").
 COUNT_CAP = 10_000
 PAGE_SIZE = 50
+#: A purge's question counts the rows it deletes up to here (shown as "100,000+").
+PURGE_COUNT_CAP = 100_000
 ACTIONS = ("cancel", "redrive", "pause", "resume", "purge", "redrive_queue")
 #: Always answered: no page of another site can be served from these names.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -276,6 +278,8 @@ class Dashboard:
                 return self.metrics(start_response)
             if path == "/":
                 body = self.queues_page(query)
+            elif path == "/purge":
+                body = self.purge_page(query)
             elif path == "/messages":
                 body = self.messages_page(query)
             elif path.startswith("/message/"):
@@ -325,6 +329,8 @@ class Dashboard:
         ring, db, st = self.ring, self.database, self.statements
         # A message's buttons carry the version its page showed: they act on that row only.
         message_id, seen = form.get("message_id", ""), form.get("seen") or None
+        if action in ("pause", "resume", "purge", "redrive_queue"):
+            admin.check_known(db, st, form.get("queue", ""))  # never a phantom queue (400, naming the known ones)
         if action == "cancel":
             outcome = admin.cancel(db, st, message_id, channel=self.settings.channel, seen=seen)
             note = f"cancel: {outcome.value}"
@@ -333,7 +339,7 @@ class Dashboard:
             note = "re-driven" if done.redriven else f"not re-driven: {'; '.join(done.skipped.values())}"
         elif action == "redrive_queue":
             again = FINISHED_STATES if form.get("state") == "all" else (form.get("state") or "dead",)
-            done = admin.redrive_queue(db, st, form.get("queue", ""), again, ring)
+            done = admin.redrive_queue(db, st, form.get("queue", ""), again, ring, actor=form.get("actor") or None)
             note = f"re-driven: {len(done.redriven)}, skipped: {len(done.skipped)}"
         elif action == "pause":
             note = "paused" if admin.pause(db, st, form.get("queue", "")) else "was paused already"
@@ -341,10 +347,12 @@ class Dashboard:
             note = "resumed" if admin.resume(db, st, form.get("queue", ""), ring) else "was not paused"
         elif action == "purge":
             if form.get("confirm") != "yes":
-                raise HTTPError("400 Bad Request", "tick the box to confirm the purge")
-            state = form.get("state") or "all"
+                raise HTTPError(
+                    "400 Bad Request", "a purge is confirmed on its page, which says how many rows it deletes"
+                )
+            state = form.get("state") or "dead"
             states = admin.PURGEABLE if state == "all" else (state,)
-            deleted = admin.purge_queue(db, st, form.get("queue", ""), states)
+            deleted = admin.purge_queue(db, st, form.get("queue", ""), states, actor=form.get("actor") or None)
             note = "purged: " + ", ".join(f"{k} {v}" for k, v in deleted.items())
         else:
             raise HTTPError("400 Bad Request", f"unknown action {action!r}")
@@ -382,7 +390,7 @@ class Dashboard:
     # -- pages -------------------------------------------------------------------
     def queues_page(self, query: dict[str, str]) -> str:
         queues = admin.overview(self.database, self.statements, cap=COUNT_CAP + 1)
-        heads = ["queue", "due", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
+        heads = ["queue", "queued", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
                  "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
         rows = []
         for q in queues:
@@ -392,19 +400,14 @@ class Dashboard:
             actions = ""
             if self.actions:
                 toggle = ("resume", "Resume") if q["paused_since"] else ("pause", "Pause")
-                purge_extra = (
-                    '<select name=state aria-label="state to purge">'
-                    + "".join(f"<option>{s}</option>" for s in ("all", *admin.PURGEABLE))
-                    + "</select><label><input type=checkbox name=confirm value=yes required> sure</label>"
-                )
                 actions = (
                     self._form(toggle[0], toggle[1], {"queue": name}, "/")
                     + self._form("redrive_queue", "Re-drive dead", {"queue": name, "state": "dead"}, "/")
-                    + self._form("purge", "Purge", {"queue": name}, "/", purge_extra)
+                    + _purge_question(name)
                 )
             cells = [
                 f'<a href="{link}">{_e(name)}</a>{paused}',
-                _count(q["due"]),
+                _count(q["queued"]),
                 _count(q["delayed"]),
                 _count(q["running"]),
                 _count(q["expired_leases"]),
@@ -419,18 +422,47 @@ class Dashboard:
             ]
             rows.append(cells)
         table = _table(heads, rows, cls="queues") if rows else "<p>No messages in any queue.</p>"
-        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Running includes prefetched messages.</p>"
+        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Queued includes delayed messages (due later); running includes prefetched ones.</p>"
         return self.layout("Queues", _note(query) + table + note)
+
+    def purge_page(self, query: dict[str, str]) -> str:
+        """The question before a purge: how many rows of which states it deletes (counted now)."""
+        if not self.actions:
+            raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
+        queue, state = query.get("queue", ""), query.get("state") or "dead"
+        actor = query.get("actor", "").strip()
+        admin.check_known(self.database, self.statements, queue)
+        if state != "all" and state not in admin.PURGEABLE:
+            raise ValueError(f"cannot purge state {state!r}: one of all, {', '.join(admin.PURGEABLE)}")
+        states = admin.PURGEABLE if state == "all" else (state,)
+        counts = admin.purge_counts(
+            self.database, self.statements, queue, states, actor=actor or None, cap=PURGE_COUNT_CAP + 1
+        )
+        total = sum(counts.values())
+        what = f"{_many(total)} {'' if state == 'all' else state + ' '}message{'' if total == 1 else 's'}"
+        what += f" of queue {queue}" + (f" of actor {actor}" if actor else "")
+        if state == "all":
+            what += " (" + ", ".join(f"{s} {_many(n)}" for s, n in counts.items()) + ")"
+        if not total:
+            return self.layout("Purge", f'<p id=nothing>Nothing to purge: {_e(what)}.</p><p><a href="/">Back</a></p>')
+        fields = {"queue": queue, "state": state, "actor": actor, "confirm": "yes"}
+        body = (
+            f"<p id=question>Delete {_e(what)}?</p>"
+            "<p class=note>Counted just now; running messages are never deleted, and any that arrive meanwhile in "
+            "these states are deleted too. This cannot be undone.</p>"
+            f'<p class=actions>{self._form("purge", f"Delete {_many(total)}", fields, "/")} <a href="/">Cancel</a></p>'
+        )
+        return self.layout("Purge", body)
 
     def messages_page(self, query: dict[str, str]) -> str:
         queue = query.get("queue", "")
         state = query.get("state", "queued")
         actor = query.get("actor", "").strip()
-        names = [q["queue"] for q in admin.overview(self.database, self.statements, cap=1)]
+        names = admin.known_queues(self.database, self.statements)
         if not queue and names:
             queue = names[0]
         if queue and queue not in names:
-            names.append(queue)
+            raise HTTPError("404 Not Found", str(admin.unknown_queue(check_queue(queue), names)))
         options = "".join(f"<option{' selected' if n == queue else ''}>{_e(n)}</option>" for n in names)
         states = "".join(f"<option{' selected' if s == state else ''}>{s}</option>" for s in admin.LISTABLE)
         form = (
@@ -463,14 +495,19 @@ class Dashboard:
             [
                 f'<a href="/message/{_e(r["message_id"])}" class=mid>{_e(r["message_id"])}</a>',
                 _e(r["actor_name"]),
-                _e(r["state"]),
+                _e(r["state"])
+                + (
+                    f"<br><small class=note>{_e(admin.still_running_note(r['lease_holder'], r['running_since']))}</small>"
+                    if r["still_running"]
+                    else ""
+                ),
                 str(r["attempt"]),
                 str(r["priority"]),
                 _time(r["enqueued_at"], short=True),
                 _time(r["at"], short=True),
-                _time(r["finished_at"], short=True),
+                "" if r["still_running"] else _time(r["finished_at"], short=True),
                 _e(r["lease_holder"] or ""),
-                f"<span class=err>{_e((r['last_error'] or '').strip().splitlines()[-1:][0] if r['last_error'] else '')}</span>",
+                f"<span class=err>{_e(admin.error_summary(r['last_error'], limit=160))}</span>",
             ]
             for r in page.rows
         ]
@@ -486,6 +523,16 @@ class Dashboard:
             )
         if page.next:
             body += f'<p><a id=next href="{_link("/messages", queue=queue, state=state, actor=actor, after=page.next)}">Next page</a></p>'
+        if self.actions and rows:  # the bulk actions, on every message of this list (not only this page)
+            these = f"{state} messages of {queue}" + (f" of actor {actor}" if actor else "")
+            bulk = ""
+            if state in FINISHED_STATES:
+                fields = {"queue": queue, "state": state, "actor": actor}
+                bulk += self._form("redrive_queue", f"Re-drive every {these}", fields, f"/messages?queue={queue}")
+            if state in admin.PURGEABLE:
+                link = _link("/purge", queue=queue, state=state, actor=actor)
+                bulk += f'<a id=purge-these href="{link}">Purge every {_e(these)}…</a>'
+            body += f"<p class=actions>{bulk}</p>" if bulk else ""
         return self.layout("Messages", _note(query) + body)
 
     def message_page(self, message_id: str, query: dict[str, str]) -> str:
@@ -495,7 +542,11 @@ class Dashboard:
             raise HTTPError("404 Not Found", f"no message {message_id} (unknown, or finished longer ago than kept)")
         here = f"/message/{message_id}"
         fields = [
-            ("state", f"<span id=state>{_e(info['state'])}</span>"),
+            (
+                "state",
+                f"<span id=state>{_e(info['state'])}</span>"
+                + (f" <span class=badge id=still-running>{_e(info['note'])}</span>" if info["still_running"] else ""),
+            ),
             (
                 "queue",
                 f'<a href="{_link("/messages", queue=info["queue_name"], state=info["state"])}">{_e(info["queue_name"])}</a>',
@@ -509,7 +560,7 @@ class Dashboard:
             ("claimed", _time(info["claimed_at"])),
             ("lease until", _time(info["lease_expires_at"])),
             ("lease holder", _e(info["lease_holder"] or "")),
-            ("finished", _time(info["finished_at"])),
+            ("cancel requested" if info["still_running"] else "finished", _time(info["finished_at"])),
             ("ran", _age(info["ran_seconds"])),
         ]
         if info.get("unique_key") is not None:
@@ -522,7 +573,8 @@ class Dashboard:
             body += "<h2>Arguments</h2><pre id=args>" + _e(_json({"args": info["args"], "kwargs": info["kwargs"]}))
             body += "</pre><h2>Options</h2><pre>" + _e(_json(info["options"])) + "</pre>"
         if info["last_error"]:
-            body += f"<h2>Last error</h2><pre class=err>{_e(info['last_error'])}</pre>"
+            body += f"<h2>Last error</h2><p class=err id=error>{_e(info['error'])}</p>"
+            body += f"<pre class=err>{_e(info['last_error'])}</pre>"
         if info["history"]:
             heads = ["finished", "attempt", "holder", "ran"]
             rows = [[_time(h["finished_at"]), str(h["attempt"]), _e(h["lease_holder"] or ""), _age(h["ran_seconds"])]
@@ -533,7 +585,7 @@ class Dashboard:
             shown = {"message_id": message_id, "seen": info["version"]}
             if info["state"] in ("queued", "running"):
                 buttons += self._form("cancel", "Cancel", shown, here)
-            if info["state"] in FINISHED_STATES:
+            if info["state"] in FINISHED_STATES and not info["still_running"]:  # not while its actor runs
                 buttons += self._form("redrive", "Re-drive", shown, here)
             body += f"<p class=actions>{buttons}</p>" if buttons else ""
         return self.layout(f"Message {message_id}", body)
@@ -579,6 +631,23 @@ def _link(path: str, **params: str) -> str:
 def _note(query: dict[str, str]) -> str:
     note = query.get("note")
     return f"<p class=flash id=flash>{_e(note)}</p>" if note else ""
+
+
+def _purge_question(queue: str) -> str:
+    """The queues page's purge control: it asks first (:meth:`Dashboard.purge_page`); dead letters by default."""
+    options = "".join(f"<option{' selected' if s == 'dead' else ''}>{s}</option>" for s in (*_PURGE_ORDER, "all"))
+    return (
+        f'<form method=get action="/purge" class=inline><input type=hidden name=queue value="{_e(queue)}">'
+        f'<select name=state aria-label="state to purge">{options}</select><button>Purge…</button></form>'
+    )
+
+
+#: The purge control's states, the least harmful first.
+_PURGE_ORDER = ("dead", "cancelled", "done", "queued")
+
+
+def _many(n: int) -> str:
+    return f"{PURGE_COUNT_CAP:,}+" if n > PURGE_COUNT_CAP else f"{n:,}"
 
 
 def _count(n: int | None) -> str:

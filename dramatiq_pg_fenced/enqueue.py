@@ -90,10 +90,21 @@ class Enqueuer:
 
         Dramatiq's ``eta`` option (an absolute time in ms) becomes a server-side
         delay, and leaves the stored message: a worker would otherwise hold the
-        message in memory until then and re-enqueue it under the same id.
+        message in memory until then and re-enqueue it under the same id.  The
+        message's own ``delay`` option (``actor.message_with_options(delay=ms)``,
+        what Dramatiq's pipelines read) delays it too, however it is sent; the
+        longest of the three wins.  A ``delay`` option that is no number is refused.
         """
         check_queue(message.queue_name)
         delay_ms = max(int(delay or 0), 0)
+        own = message.options.get("delay")
+        if own is not None:
+            if isinstance(own, bool) or not isinstance(own, (int, float)):
+                raise ValueError(
+                    f"message {message.message_id} for actor {message.actor_name!r}: options['delay'] must be a "
+                    f"number of milliseconds, not {own!r}"
+                )
+            delay_ms = max(delay_ms, int(own))
         eta = message.options.get("eta")
         if "eta" in message.options:  # (Message.copy merges options: it cannot drop one)
             message = dataclasses.replace(message, options={k: v for k, v in message.options.items() if k != "eta"})

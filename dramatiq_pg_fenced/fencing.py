@@ -148,10 +148,13 @@ class StaleWrites:
         current: dict[str, Row] = {str(r[0]): (r[1], r[2], None if r[3] is None else str(r[3])) for r in rows}
         n_stale = n_cancelled = 0
         stale_queues: list[str | None] = []
+        ended: list[tuple[str, str]] = []  # cancelled deliveries that ended with this write
         for kind, message_id, attempt, delivery in misses:
             now = current.get(message_id)
             if now is not None and now[0] == State.CANCELLED.value:
                 n_cancelled += 1
+                if delivery is not None and now[2] == delivery and kind is not Write.RESULT:
+                    ended.append((message_id, delivery))
                 self.logger.info(
                     "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind.value, attempt
                 )
@@ -170,5 +173,7 @@ class StaleWrites:
         with self._lock:
             self.stale += n_stale
             self.cancelled += n_cancelled
+        if ended:  # the row no longer says its actor still runs (see leases.py)
+            conn.execute(self.statements.cancel_ended, [[m for m, _ in ended], [d for _, d in ended]])
         if n_stale:
             conn.execute(self.statements.count_stale, stale_counts(stale_queues))

@@ -7,6 +7,13 @@ the way to the database) is held here with its attempt.  The
 rescue, vacuum and purge (see :mod:`.maintenance`) never delay it.  Rows that
 do not come back are lost to this process (redelivered elsewhere or
 cancelled): their outcome will be fenced out.
+
+A cancelled delivery whose actor still runs here keeps its row's lease: the
+keeper extends it (``extend_cancelled``) until the delivery ends, so operators
+see "cancel requested, still running" and a re-drive waits for its end.  Its
+end clears the lease (``cancel_ended``): its outcome, fenced out (see
+:meth:`.fencing.StaleWrites.report`), the start gate's refusal, or the keeper
+for a cancelled delivery that never started.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Leases:
         self._lost: set[str] = set()
         self._settled: set[str] = set()  # outcome handed to the writer, not yet written
         self._started: set[str] = set()  # passed the start gate: its actor runs (or ran)
+        self._cancelled: set[str] = set()  # its message was cancelled (a subset of _lost)
         self._draining = False  # the worker shuts down: claim nothing more
         self._per_queue: Counter[str] = Counter()
         self._settled_per_queue: Counter[str] = Counter()
@@ -66,6 +74,7 @@ class Leases:
                 self._per_queue[queue_name] += 1
                 self._lost.discard(message_id)
                 self._started.discard(message_id)
+                self._cancelled.discard(message_id)
                 if message_id in self._settled:
                     self._settled.discard(message_id)
                     self._settled_per_queue[old.queue_name] -= 1
@@ -80,6 +89,7 @@ class Leases:
                 self._per_queue[held[0]] -= 1
                 self._lost.discard(message_id)
                 self._started.discard(message_id)
+                self._cancelled.discard(message_id)
                 if message_id in self._settled:
                     self._settled.discard(message_id)
                     self._settled_per_queue[held[0]] -= 1
@@ -160,6 +170,21 @@ class Leases:
         with self._lock:
             if message_id in self._held:
                 self._lost.add(message_id)
+                self._cancelled.add(message_id)
+
+    def cancelled(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The cancelled deliveries held here (message id -> token): (those whose actor runs: started,
+        no outcome yet; those that never started, and never will)."""
+        with self._lock:
+            running, unstarted = {}, {}
+            for mid in self._cancelled:
+                held = self._held[mid]
+                if mid in self._started:
+                    if mid not in self._settled:
+                        running[mid] = held.delivery
+                elif mid not in self._settled:
+                    unstarted[mid] = held.delivery
+            return running, unstarted
 
     def mark_lost(self, deliveries: dict[str, str], kept: set[str]) -> set[str]:
         """After an extension of *deliveries* (message id -> token) that kept only *kept*: those now known lost."""
@@ -223,7 +248,18 @@ class StartGate:
         if reason is not None:
             message.settled = True
             self.leases.release(message.message_id, message.delivery)
+            if held is not None and held.delivery == message.delivery:
+                self._ended(message)
         return reason
+
+    def _ended(self, message: PostgresMessageProxy) -> None:
+        """A delivery that will not start: if its row was cancelled, it no longer says its actor runs.
+        Best effort (one statement on a rare path): otherwise its lease lapses."""
+        params = [[message.message_id], [message.delivery]]
+        try:
+            self.database.run(lambda conn: conn.execute(self.statements.cancel_ended, params))
+        except Exception:  # the lease lapses within lease_seconds
+            pass
 
 
 class LeaseKeeper(Periodic):
@@ -254,6 +290,29 @@ class LeaseKeeper(Periodic):
     def tick(self) -> None:
         self.extend()
 
+    def _extend(self, conn: psycopg.Connection, tokens: dict[str, str]) -> tuple[set[str], list[tuple[str, str]]]:
+        """Extend the leases of *tokens* (message id -> token): (the ones kept, the ones found cancelled)."""
+        extend = self.statements.extend if self.settings.durable_outcomes else self.statements.extend_relaxed
+        params = {"ids": list(tokens), "deliveries": list(tokens.values()), "lease": self.settings.lease_seconds}
+        kept = {str(r[0]) for r in conn.execute(extend, params).fetchall()}
+        cancelled: list[tuple[str, str]] = []
+        if len(kept) < len(tokens):
+            rest = {mid: token for mid, token in tokens.items() if mid not in kept}
+            rows = conn.execute(self.statements.delivery_states, [list(rest), list(rest.values())]).fetchall()
+            kept |= {str(r[0]) for r in rows if r[2] == State.RUNNING.value}  # locked elsewhere: extended next time
+            cancelled = [(str(r[0]), str(r[1])) for r in rows if r[2] == State.CANCELLED.value]
+        return kept, cancelled
+
+    def _keep_cancelled(self, conn: psycopg.Connection) -> None:
+        """The cancelled deliveries held here: the lease goes on while the actor runs, and is cleared for
+        those that never started (fenced on their tokens; nothing runs when there is none)."""
+        running, unstarted = self.leases.cancelled()
+        if running:
+            params = {"ids": list(running), "deliveries": list(running.values()), "lease": self.settings.lease_seconds}
+            conn.execute(self.statements.extend_cancelled, params)
+        if unstarted:
+            conn.execute(self.statements.cancel_ended, [list(unstarted), list(unstarted.values())])
+
     def _connection(self) -> psycopg.Connection:
         """A connection of the keeper's own: a busy or exhausted pool never delays an extension.
 
@@ -274,22 +333,24 @@ class LeaseKeeper(Periodic):
                 conn.close()
 
     def extend(self) -> set[str]:
-        """Extend every lease held (and not known lost), fenced; returns the ones found lost."""
+        """Extend every lease held (and not known lost), fenced; returns the ones found lost.
+
+        Then the cancelled deliveries held here: the lease of one whose actor
+        runs goes on (operators see it still running), one that never started
+        has its lease cleared (it never will)."""
         held = {mid: h for mid, h in self.leases.snapshot().items() if not self.leases.is_lost(mid)}
-        if not held:
-            return set()
         tokens = {mid: h.delivery for mid, h in held.items()}
+        kept: set[str] = set()
+        cancelled: list[tuple[str, str]] = []
+        if not tokens and self.leases.cancelled() == ({}, {}):
+            return set()
         conn = self._connection()
         try:
-            extend = self.statements.extend if self.settings.durable_outcomes else self.statements.extend_relaxed
-            params = {"ids": list(tokens), "deliveries": list(tokens.values()), "lease": self.settings.lease_seconds}
-            kept = {str(r[0]) for r in conn.execute(extend, params).fetchall()}
-            cancelled: list[tuple[str, str]] = []
-            if len(kept) < len(tokens):
-                rest = {mid: token for mid, token in tokens.items() if mid not in kept}
-                rows = conn.execute(self.statements.delivery_states, [list(rest), list(rest.values())]).fetchall()
-                kept |= {str(r[0]) for r in rows if r[2] == State.RUNNING.value}  # locked elsewhere: extended next time
-                cancelled = [(str(r[0]), str(r[1])) for r in rows if r[2] == State.CANCELLED.value]
+            if tokens:
+                kept, cancelled = self._extend(conn, tokens)
+                for message_id, _ in cancelled:
+                    self.leases.mark_cancelled(message_id)
+            self._keep_cancelled(conn)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._conn = None
             with contextlib.suppress(Exception):

@@ -9,9 +9,11 @@ every scrape of every replica, so scrape one of them.
 name                                   type     meaning (labels)
 =====================================  =======  ==========================================
 ``dramatiq_pg_up``                     gauge    1 if the database answered this scrape
-``dramatiq_pg_messages``               gauge    messages by ``queue`` and ``state``: due,
-                                                delayed, running (prefetched included),
-                                                dead, cancelled
+``dramatiq_pg_messages``               gauge    messages by ``queue`` and ``state``: queued,
+                                                running (prefetched included), dead,
+                                                cancelled
+``dramatiq_pg_delayed_messages``       gauge    queued messages due later (``queue``;
+                                                counted in ``state="queued"`` too)
 ``dramatiq_pg_oldest_due_age_seconds`` gauge    how long the oldest due message has waited
                                                 (``queue``; 0 when none is due)
 ``dramatiq_pg_expired_leases``         gauge    running messages whose lease has expired
@@ -51,7 +53,8 @@ except ImportError as e:  # pragma: no cover - the 'prometheus' extra
 
 #: Content type of the text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-STATES = ("due", "delayed", "running", "dead", "cancelled")
+#: The states of ``dramatiq_pg_messages``: a message's, as everywhere (``delayed`` is a part of ``queued``).
+STATES = ("queued", "running", "dead", "cancelled")
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,9 @@ class QueueCollector(Collector):
 def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator[Metric]:
     """The metric families for an :func:`.admin.overview` and the counters (pure: no database)."""
     messages = GaugeMetricFamily("dramatiq_pg_messages", "Messages by queue and state", labels=["queue", "state"])
+    delayed = GaugeMetricFamily(
+        "dramatiq_pg_delayed_messages", "Queued messages due later (counted in state=queued too)", labels=["queue"]
+    )
     oldest = GaugeMetricFamily("dramatiq_pg_oldest_due_age_seconds", "Age of the oldest due message", labels=["queue"])
     expired = GaugeMetricFamily(
         "dramatiq_pg_expired_leases", "Running messages with an expired lease", labels=["queue"]
@@ -95,13 +101,14 @@ def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator
         name = q["queue"]
         for state in STATES:
             messages.add_metric([name, state], q[state])
+        delayed.add_metric([name], q["delayed"])
         oldest.add_metric([name], q["oldest_due_seconds"] or 0.0)
         expired.add_metric([name], q["expired_leases"])
         paused.add_metric([name], 1 if q["paused_since"] is not None else 0)
         done_1m.add_metric([name], q["done_last_minute"])
         done_1h.add_metric([name], q["done_last_hour"])
         dead_1h.add_metric([name], q["dead_last_hour"])
-    yield from (messages, oldest, expired, paused, done_1m, done_1h, dead_1h)
+    yield from (messages, delayed, oldest, expired, paused, done_1m, done_1h, dead_1h)
     redeliveries = CounterMetricFamily("dramatiq_pg_redeliveries", "Expired leases put back for redelivery")
     redeliveries.add_metric([], counters.get("redeliveries", 0))
     stale = CounterMetricFamily("dramatiq_pg_stale_writes", "Fenced-out writes of stale deliveries", labels=["queue"])

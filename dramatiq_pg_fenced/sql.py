@@ -33,10 +33,14 @@ running    dead       rescue           the same, at ``max_deliveries`` lost deli
 running    running    extend           the lease keeper; fenced; lease pushed out
 queued     cancelled  cancel           an operator; any attempt (administrative), of the
                                        version seen if one is given (its seq)
-running    cancelled  cancel           the same; fences out that attempt's outcome
+running    cancelled  cancel           the same; fences out that attempt's outcome; the
+                                       lease stays while the actor runs (see below)
+cancelled  cancelled  extend_cancelled the lease keeper; fenced; while its actor runs
+cancelled  cancelled  cancel_ended     the outcome writer, start gate or keeper; fenced;
+                                       the cancelled delivery ended (lease cleared)
 dead       queued     redrive          an operator; fenced on the row version read
                                        (:func:`version`: seq and xmin)
-cancelled  queued     redrive          the same
+cancelled  queued     redrive          the same; not while its actor still runs
 dead       (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 cancelled  (deleted)  purge_finished   maintenance, after ``dead_message_ttl``
 queued     (deleted)  purge_queue_*    an operator; never a running row
@@ -60,6 +64,15 @@ key, and both run.
 ``lost_deliveries`` counts the deliveries that ended without any outcome
 (migration 004): only ``rescue`` and ``release_unseen`` raise it; a retry or
 a release at shutdown is an outcome.
+
+A cancelled row whose actor still runs keeps its token, its holder and a
+lease in the future (``lease_expires_at``): the cancel leaves the lease,
+the keeper extends it while the actor runs (``extend_cancelled``), and the
+end of that delivery clears it (``cancel_ended``: its fenced-out outcome,
+the start gate's refusal, or the keeper for one that never started).  A
+crashed worker's lease lapses.  Operators see "cancel requested, still
+running" while it is in the future (:data:`STILL_RUNNING`); a re-drive or a
+purge leaves such a row alone.
 
 ``history`` is a table of its own (acked messages, state ``done`` for
 readers); ``paused_queue`` and ``throughput`` (outcomes per minute) serve the
@@ -187,6 +200,16 @@ def version(alias: str) -> str:
 #: and per claim after two minutes at 300 messages/s).  _BY_IDS: for a CTE o.
 _BY_IDS = "m.message_id = ANY(ARRAY(SELECT o.id FROM o))"
 
+
+def _still_running(alias: str = "") -> str:
+    """A cancelled row whose actor still runs (its delivery's lease is kept while it runs, cleared when
+    it ends); NULL for a row without a lease."""
+    a = f"{alias}." if alias else ""
+    return f"{a}state = 'cancelled' AND {a}lease_expires_at > now()"
+
+
+STILL_RUNNING = _still_running()
+
 #: A commit that does not wait for the WAL flush, for one autocommit
 #: statement: set_config(..., true) is SET LOCAL and lasts until the commit of
 #: the statement's own implicit transaction, so it costs no extra round trip
@@ -309,16 +332,18 @@ _TEMPLATES = {
     # delivery, and no later one of the same id (interrupt.py).  Sent whatever
     # the canceller's own ``listen`` (the CLI and a dashboard behind PgBouncer
     # have none; the workers may listen): nobody listening, it costs nothing.
-    # The row keeps its token: the lease keeper and the cancel watch find it
-    # cancelled under it.  %(seq)s (NULL: any): only the incarnation an
-    # operator saw (its id inserted again is another message).
+    # The row keeps its token, its holder and its lease: the lease keeper and
+    # the cancel watch find it cancelled under it, and the lease says its actor
+    # may still run (see extend_cancelled).  %(seq)s (NULL: any): only the
+    # incarnation an operator saw (its id inserted again is another message).
     "cancel": """
         WITH old AS (
             SELECT message_id, state, attempt FROM {schema}.message
              WHERE message_id = %(id)s AND (%(seq)s::bigint IS NULL OR seq = %(seq)s::bigint) FOR UPDATE
         )
         UPDATE {schema}.message AS m
-           SET state = 'cancelled', finished_at = now(), lease_expires_at = NULL
+           SET state = 'cancelled', finished_at = now(),
+               lease_expires_at = CASE WHEN old.state = 'running' THEN m.lease_expires_at END
           FROM old
          WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt,
@@ -326,6 +351,38 @@ _TEMPLATES = {
                        THEN pg_notify(%(channel)s, '!cancel ' || m.message_id::text) END,
                   CASE WHEN old.state = 'running'
                        THEN pg_notify(%(channel)s, '!interrupt ' || m.message_id::text || ' ' || m.delivery::text) END
+    """,
+    # A cancelled delivery's actor still runs in this process: its lease goes on
+    # (see the docstring), fenced on its token.  Never brings back a lease the
+    # end of the delivery cleared (IS NOT NULL); SKIP LOCKED: the keeper never
+    # waits for an operator's lock (a re-drive then clears it anyway).
+    "extend_cancelled": f"""
+        WITH o AS (SELECT * FROM unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery)),
+        mine AS (
+            SELECT m.message_id FROM {{schema}}.message AS m JOIN o ON m.message_id = o.id AND m.delivery = o.delivery
+             WHERE {_BY_IDS} AND m.state = 'cancelled' AND m.lease_expires_at IS NOT NULL
+               FOR UPDATE OF m SKIP LOCKED
+        )
+        UPDATE {{schema}}.message AS m SET lease_expires_at = now() + %(lease)s * interval '1 second'
+          FROM mine WHERE m.message_id = mine.message_id
+        RETURNING m.message_id
+    """,
+    # A cancelled delivery ended (its outcome fenced out, refused at the start
+    # gate, or never started): the row stops saying its actor runs.
+    "cancel_ended": f"""
+        WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery)),
+        mine AS (
+            SELECT m.message_id FROM {{schema}}.message AS m JOIN o ON m.message_id = o.id AND m.delivery = o.delivery
+             WHERE {_BY_IDS} AND m.state = 'cancelled' AND m.lease_expires_at IS NOT NULL
+               FOR UPDATE OF m SKIP LOCKED
+        )
+        UPDATE {{schema}}.message AS m SET lease_expires_at = NULL
+          FROM mine WHERE m.message_id = mine.message_id
+    """,
+    # Of these messages, the cancelled ones whose actor still runs, where and since when.
+    "still_running": f"""
+        SELECT message_id, consumer_id, claimed_at FROM {{schema}}.message
+         WHERE message_id = ANY(%s::uuid[]) AND {STILL_RUNNING}
     """,
     # Claimed rows leave dead entries at the head of the claim index that every
     # claim steps over until a vacuum; SKIP_LOCKED: one at a time is enough.
@@ -361,7 +418,7 @@ _TEMPLATES = {
         SELECT message_id, queue_name, actor_name, priority, state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
                finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until,
-               {version("m")} AS version, payload
+               {version("m")} AS version, coalesce({_still_running("m")}, false) AS still_running, payload
           FROM {{schema}}.message AS m WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
@@ -644,6 +701,18 @@ _TEMPLATES.update(
 FINISHED_STATES = ("dead", "cancelled")
 
 
+def _loose_scan(name: str, table: str, where: str) -> str:
+    """A recursive CTE *name*(name): the distinct queue names of *table*'s rows matching *where*, one
+    index probe per queue (a loose index scan; a trailing NULL row ends it)."""
+    return f"""{name}(name) AS (
+                (SELECT queue_name FROM {table} WHERE {where} ORDER BY queue_name LIMIT 1)
+                UNION ALL
+                SELECT (SELECT m.queue_name FROM {table} AS m
+                         WHERE {where} AND m.queue_name > {name}.name ORDER BY m.queue_name LIMIT 1)
+                  FROM {name} WHERE {name}.name IS NOT NULL
+            )"""
+
+
 def _capped_count(where: str) -> str:
     # ORDER BY the finished index's column: an index scan that stops at the cap,
     # never a sequential scan that hopes to meet matching rows early.
@@ -753,6 +822,25 @@ _TEMPLATES.update(
               ) AS depth ON true
              ORDER BY q.name
         """,
+        # Every queue the database knows of, for refusing an operator's action on
+        # a queue nothing names (a typo would otherwise pause a phantom queue):
+        # one with messages in any state (loose index scans of the claim, finished
+        # and lease indexes), with history (its index), with outcomes in the
+        # throughput tallies (two hours), paused, or enqueued into by a schedule.
+        "known_queues": f"""
+            WITH RECURSIVE
+            {_loose_scan("queued", "{schema}.message", "state = 'queued'")},
+            {_loose_scan("finished", "{schema}.message", "state IN ('dead', 'cancelled')")},
+            {_loose_scan("kept", "{schema}.history", "true")}
+            SELECT name FROM queued WHERE name IS NOT NULL
+            UNION SELECT name FROM finished WHERE name IS NOT NULL
+            UNION SELECT name FROM kept WHERE name IS NOT NULL
+            UNION SELECT queue_name FROM {{schema}}.message WHERE lease_expires_at IS NOT NULL AND state = 'running'
+            UNION SELECT queue_name FROM {{schema}}.throughput
+            UNION SELECT queue_name FROM {{schema}}.paused_queue
+            UNION SELECT queue_name FROM {{schema}}.schedule
+            ORDER BY 1
+        """,
         # The overview's plan looks costly to the planner (it cannot know the
         # counts stop early), which then spends 0.7 s compiling it with JIT for
         # a query that runs in 20 ms: off, for the overview's transaction only.
@@ -780,14 +868,15 @@ _TEMPLATES.update(
                    {_retake("m", finished_too=True)}
               FROM o
              WHERE {_BY_IDS} AND m.message_id = o.id AND {version("m")} = o.version
-               AND m.state IN ('dead', 'cancelled')
+               AND m.state IN ('dead', 'cancelled') AND NOT coalesce({_still_running("m")}, false)
             RETURNING m.message_id, m.queue_name
         """,
         "inspect_history": """
             SELECT message_id, queue_name, actor_name, priority, 'done' AS state, attempt, enqueued_at,
                    NULL::timestamptz AS available_at, NULL::timestamptz AS lease_expires_at, consumer_id,
                    finished_at, last_error, NULL::int AS lost_deliveries, claimed_at,
-                   NULL::text AS unique_key, NULL::text AS unique_until, NULL::text AS version, payload
+                   NULL::text AS unique_key, NULL::text AS unique_until, NULL::text AS version,
+                   false AS still_running, payload
               FROM {schema}.history WHERE message_id = %s
              ORDER BY finished_at DESC
         """,
@@ -799,12 +888,35 @@ _TEMPLATES.update(
                  ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED))
         """,
         "purge_throughput": "DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'",
+        "count_queue_done": """
+            SELECT count(*) FROM (SELECT FROM {schema}.history
+                                   WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
+                                   LIMIT %(cap)s) AS n
+        """,
         "purge_queue_done": """
             DELETE FROM {schema}.history WHERE ctid = ANY(ARRAY(
-                SELECT ctid FROM {schema}.history WHERE queue_name = %s LIMIT %s FOR UPDATE SKIP LOCKED))
+                SELECT ctid FROM {schema}.history
+                 WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
+                 LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+            RETURNING message_id
         """,
     }
 )
+
+#: A listed message's error is at most this many characters: its head and its
+#: tail (where a traceback names the exception) around a note of how much was
+#: cut (``inspect`` shows it whole).
+LISTED_ERROR_CHARS = 2000
+
+
+def _listed_error() -> str:
+    head, tail = LISTED_ERROR_CHARS // 4, LISTED_ERROR_CHARS - LISTED_ERROR_CHARS // 4
+    return (
+        f"CASE WHEN char_length(last_error) <= {LISTED_ERROR_CHARS} THEN last_error"
+        f" ELSE left(last_error, {head}) || chr(10) || '[... ' || (char_length(last_error) - {LISTED_ERROR_CHARS})"
+        f" || ' characters cut; inspect shows all ...]' || chr(10) || right(last_error, {tail}) END"
+    )
+
 
 # Pages of a queue's messages (no payload).  A page reads a window of at most
 # %(scan)s rows in index order from the cursor (the sort key of the last row
@@ -812,15 +924,22 @@ _TEMPLATES.update(
 # and returns the window's last row as its edge (edge = true, with how many
 # rows the window held): a filter that matches little never scans the queue
 # to its end, and the next page goes on from the edge.
-_LIST_COLUMNS = """message_id, actor_name, {state} AS state, attempt, priority, enqueued_at, {at} AS at,
-                   finished_at AS fin, consumer_id, right(last_error, 300) AS last_error, seq"""
+_LIST_COLUMNS = f"""message_id, actor_name, {{state}} AS state, attempt, priority, enqueued_at, {{at}} AS at,
+                   finished_at AS fin, consumer_id, {_listed_error()} AS last_error,
+                   {{still_running}} AS running_since, seq"""
 
 
 def _page(table: str, at: str, where: str, order: str, reverse: str) -> str:
     state = "'done'::text" if table == "history" else "state"
+    # A cancelled row whose actor still runs: since when (its claim); NULL otherwise.
+    still_running = (
+        "NULL::timestamptz"
+        if table == "history"
+        else f"CASE WHEN {STILL_RUNNING} THEN coalesce(claimed_at, finished_at) END"
+    )
     return f"""
         WITH w AS (
-            SELECT {_LIST_COLUMNS.format(at=at, state=state)} FROM {{schema}}.{table}
+            SELECT {_LIST_COLUMNS.format(at=at, state=state, still_running=still_running)} FROM {{schema}}.{table}
              WHERE queue_name = %(queue)s AND {where}
              ORDER BY {order} LIMIT %(scan)s
         )
@@ -870,20 +989,35 @@ _TEMPLATES.update(
     }
 )
 
+# An operator's bulk action may name one actor (%(actor)s; NULL: every actor).
+_OF_ACTOR = "(%(actor)s::text IS NULL OR actor_name = %(actor)s)"
+
 for _state in FINISHED_STATES:
     # Ids to re-drive, oldest dead first, skipping those that could not be.
     _TEMPLATES[f"redrive_ids_{_state}"] = f"""
         SELECT message_id FROM {{schema}}.message
-         WHERE queue_name = %s AND state = '{_state}' AND message_id <> ALL(%s::uuid[])
-         ORDER BY finished_at LIMIT %s
+         WHERE queue_name = %(queue)s AND state = '{_state}' AND message_id <> ALL(%(skip)s::uuid[])
+           AND {_OF_ACTOR}
+         ORDER BY finished_at LIMIT %(limit)s
     """
 
 for _state in ("queued", *FINISHED_STATES):
-    # Bounded: a batch at a time, skipping rows someone holds (never a running row).
+    # Never a running row, nor a cancelled one whose actor still runs.
+    _purgeable = f"state = '{_state}' AND {_OF_ACTOR}" + (
+        f" AND NOT coalesce({STILL_RUNNING}, false)" if _state == "cancelled" else ""
+    )
+    # What a purge would delete now (the dashboard asks with it), counting stops at %(cap)s.
+    _TEMPLATES[f"count_queue_{_state}"] = f"""
+        SELECT count(*) FROM (SELECT FROM {{schema}}.message
+                               WHERE queue_name = %(queue)s AND {_purgeable} LIMIT %(cap)s) AS n
+    """
+    # Bounded: a batch at a time, skipping rows someone holds.
     _TEMPLATES[f"purge_queue_{_state}"] = f"""
         DELETE FROM {{schema}}.message WHERE message_id IN (
             SELECT message_id FROM {{schema}}.message
-             WHERE queue_name = %s AND state = '{_state}' LIMIT %s FOR UPDATE SKIP LOCKED)
+             WHERE queue_name = %(queue)s AND {_purgeable}
+             LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+        RETURNING message_id
     """
 
 
@@ -1227,6 +1361,10 @@ class Statements:
     pause: bytes
     resume: bytes
     paused: bytes
+    extend_cancelled: bytes
+    cancel_ended: bytes
+    still_running: bytes
+    known_queues: bytes
     redrive_read: bytes
     redrive: bytes
     redrive_ids_dead: bytes
@@ -1238,6 +1376,10 @@ class Statements:
     purge_queue_dead: bytes
     purge_queue_cancelled: bytes
     purge_queue_done: bytes
+    count_queue_queued: bytes
+    count_queue_dead: bytes
+    count_queue_cancelled: bytes
+    count_queue_done: bytes
     list_queued: bytes
     list_running: bytes
     list_dead: bytes

@@ -3,9 +3,11 @@ metrics, dashboard, compact; and how it behaves at its edges."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import traceback
 import urllib.request
 import uuid
 
@@ -181,7 +183,7 @@ def test_stats_is_a_table_for_people_and_json_for_scripts(dramatiq_pg_url, drama
     table = cli(dramatiq_pg_url, "--schema", broker.schema, "stats")
     assert table.returncode == 0, table.stderr
     head, row, footer = table.stdout.strip().splitlines()
-    assert head.split()[:5] == ["queue", "paused", "due", "delayed", "running"]
+    assert head.split()[:5] == ["queue", "paused", "queued", "delayed", "running"]
     assert row.split()[:3] == ["mail", "yes", "1"]
     assert footer.startswith("stale writes: 0   redeliveries: 0")
     data = json.loads(cli(dramatiq_pg_url, "--schema", broker.schema, "stats", "--json").stdout)
@@ -216,7 +218,7 @@ def test_list_and_redrive_dead_letters_pause_resume_and_purge(dramatiq_pg_url, d
     again = cli(dramatiq_pg_url, "--schema", schema, "redrive", dead[0].message_id)
     assert again.returncode == 1 and "not dead or cancelled" in again.stderr
     rest = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "jobs")
-    assert rest.returncode == 0 and len(rest.stdout.strip().splitlines()) == 2
+    assert rest.returncode == 0 and rest.stdout == "2 re-driven, 0 skipped\n"
     assert {broker.inspect(m.message_id)["retries"] for m in dead} == {0}
     assert {broker.inspect(m.message_id)["state"] for m in dead} == {"queued"}
 
@@ -270,7 +272,7 @@ def test_metrics_once_and_the_dashboard_command(dramatiq_pg_url, dramatiq_pg_bro
     broker.enqueue(dramatiq.Message(queue_name="m", actor_name="a", args=(), kwargs={}, options={}))
     shown = cli(dramatiq_pg_url, "--schema", broker.schema, "metrics", "--once")
     assert shown.returncode == 0, shown.stderr
-    assert 'dramatiq_pg_messages{queue="m",state="due"} 1.0' in shown.stdout
+    assert 'dramatiq_pg_messages{queue="m",state="queued"} 1.0' in shown.stdout
     assert "# TYPE dramatiq_pg_stale_writes_total counter" in shown.stdout
 
     proc = subprocess.Popen(
@@ -288,3 +290,170 @@ def test_metrics_once_and_the_dashboard_command(dramatiq_pg_url, dramatiq_pg_bro
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+
+
+def _traceback_of(raise_it):
+    try:
+        raise_it()
+    except Exception:
+        return traceback.format_exc()
+    raise AssertionError("it did not raise")
+
+
+def _deep(n, error):
+    """Raise *error* from a chain of *n* earlier exceptions (each with its own traceback)."""
+    cause = None
+    for i in range(n):
+        try:
+            raise LookupError(f"link {i}") from cause
+        except LookupError as e:
+            cause = e
+    raise error from cause
+
+
+def test_lists_show_the_exception_first_cut_with_a_marker_and_text_stays_text(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("errs")
+    # Given dead letters whose tracebacks end with a message of two lines, a note, and a chain of 16 exceptions
+    multi, noted, deep = (
+        dramatiq.Message(queue_name="errs", actor_name="a", args=("café ☕",), kwargs={}, options={}) for _ in range(3)
+    )
+    broker.enqueue_many([multi, noted, deep])
+
+    def with_note():
+        e = KeyError("missing")
+        e.add_note("see the runbook")
+        raise e
+
+    errors = {
+        multi.message_id: _traceback_of(lambda: _deep(0, ValueError("boom\nsecond line"))),
+        noted.message_id: _traceback_of(with_note),
+        deep.message_id: _traceback_of(lambda: _deep(15, RuntimeError("naïve ☕ deep"))),
+    }
+    assert len(errors[deep.message_id]) > 3000
+    for message_id, text in errors.items():
+        query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now(), last_error = %s"
+              " WHERE message_id = %s", [text, message_id])  # fmt: skip
+
+    # When I list them, I expect the exception's type and message, not the traceback's last line
+    table = cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "errs")
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert "ValueError: boom" in rows[multi.message_id]
+    assert "KeyError: 'missing'" in rows[noted.message_id]
+    assert "RuntimeError: naïve ☕ deep" in rows[deep.message_id]
+
+    # In JSON: the exception first, then the text, cut in the middle with a marker, never from the front
+    data = json.loads(cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "errs", "--json").stdout)
+    by_id = {m["message_id"]: m for m in data["messages"]}
+    assert by_id[multi.message_id]["error"] == "ValueError: boom ⏎ second line"
+    assert by_id[noted.message_id]["error"] == "KeyError: 'missing' ⏎ see the runbook"
+    assert by_id[multi.message_id]["last_error"] == errors[multi.message_id]  # short: whole
+    long = by_id[deep.message_id]["last_error"]
+    assert long.startswith("Traceback (most recent call last):") and long.endswith("RuntimeError: naïve ☕ deep\n")
+    assert re.search(r"\[\.\.\. \d+ characters cut; inspect shows all \.\.\.\]", long)
+    assert list(by_id[deep.message_id]).index("error") < list(by_id[deep.message_id]).index("last_error")
+
+    # inspect keeps text as text (no \\u escapes), and names the exception first
+    shown = cli(dramatiq_pg_url, "--schema", schema, "inspect", deep.message_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "café ☕" in shown.stdout and "\\u" not in shown.stdout
+    info = json.loads(shown.stdout)
+    assert info["error"] == "RuntimeError: naïve ☕ deep" and info["last_error"] == errors[deep.message_id]
+
+
+def test_one_vocabulary_of_states_in_stats_metrics_lists_and_inspect(dramatiq_pg_url, dramatiq_pg_broker):
+    """States are queued, running, dead, cancelled, done everywhere; 'delayed' is the part of 'queued' due later."""
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("v")
+    now, later = (dramatiq.Message(queue_name="v", actor_name="a", args=(), kwargs={}, options={}) for _ in range(2))
+    broker.enqueue(now)
+    broker.enqueue(later, delay=600_000)
+    states = {"queued", "running", "dead", "cancelled", "done"}
+
+    (q,) = json.loads(cli(dramatiq_pg_url, "--schema", schema, "stats", "--json").stdout)["queues"]
+    assert (q["queued"], q["due"], q["delayed"]) == (2, 1, 1)
+    head = cli(dramatiq_pg_url, "--schema", schema, "stats").stdout.splitlines()[0].split()
+    assert head[:5] == ["queue", "paused", "queued", "delayed", "running"]
+
+    metrics = cli(dramatiq_pg_url, "--schema", schema, "metrics", "--once").stdout
+    labels = set(re.findall(r'dramatiq_pg_messages\{queue="v",state="(\w+)"\}', metrics))
+    assert labels == {"queued", "running", "dead", "cancelled"}
+    assert 'dramatiq_pg_messages{queue="v",state="queued"} 2.0' in metrics
+    assert 'dramatiq_pg_delayed_messages{queue="v"} 1.0' in metrics
+
+    listed = json.loads(cli(dramatiq_pg_url, "--schema", schema, "list", "--queue", "v", "--state", "queued",
+                            "--json").stdout)["messages"]  # fmt: skip
+    assert {m["state"] for m in listed} == {"queued"} and len(listed) == 2
+    assert json.loads(cli(dramatiq_pg_url, "--schema", schema, "inspect", later.message_id).stdout)["state"] in states
+
+
+def test_operator_actions_on_an_unknown_queue_are_refused_with_the_known_ones(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("mail")
+    broker.enqueue(dramatiq.Message(queue_name="mail", actor_name="a", args=(), kwargs={}, options={}))
+    query(broker, "INSERT INTO {schema}.paused_queue (queue_name) VALUES ('held')")
+    # When I act on a queue the database knows nothing of, I expect exit 2, naming the known queues
+    for command in (
+        ["pause", "nosuchqueue"],
+        ["resume", "nosuchqueue"],
+        ["purge", "--queue", "nosuchqueue", "--yes"],
+        ["redrive", "--queue", "nosuchqueue"],
+        ["list", "--queue", "nosuchqueue"],
+    ):
+        refused = cli(dramatiq_pg_url, "--schema", schema, *command)
+        assert refused.returncode == 2, (command, refused)
+        assert refused.stdout == ""
+        assert "no queue 'nosuchqueue'" in refused.stderr and "known: held, mail" in refused.stderr, refused.stderr
+    pause = cli(dramatiq_pg_url, "--schema", schema, "pause", "nosuchqueue")
+    assert "--create" in pause.stderr
+    # ... and no phantom queue in stats or metrics
+    stats = json.loads(cli(dramatiq_pg_url, "--schema", schema, "stats", "--json").stdout)
+    assert [q["queue"] for q in stats["queues"]] == ["held", "mail"]
+    assert "nosuchqueue" not in cli(dramatiq_pg_url, "--schema", schema, "metrics", "--once").stdout
+
+    # pause --create pauses a queue ahead of its first message; then it is known
+    created = cli(dramatiq_pg_url, "--schema", schema, "pause", "--create", "later")
+    assert created.returncode == 0 and created.stdout.strip() == "later: paused", created
+    assert cli(dramatiq_pg_url, "--schema", schema, "resume", "later").returncode == 0
+    assert cli(dramatiq_pg_url, "--schema", schema, "resume", "mail").returncode == 1  # known, not paused
+
+
+def test_bulk_commands_print_a_count_ids_with_verbose_and_take_an_actor(dramatiq_pg_url, dramatiq_pg_broker):
+    broker = dramatiq_pg_broker
+    schema = broker.schema
+    broker.declare_queue("bulk")
+    mine = [dramatiq.Message(queue_name="bulk", actor_name="mine", args=(), kwargs={}, options={}) for _ in range(30)]
+    theirs = [
+        dramatiq.Message(queue_name="bulk", actor_name="theirs", args=(), kwargs={}, options={}) for _ in range(5)
+    ]
+    broker.enqueue_many(mine + theirs)
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now()")
+
+    # When I re-drive one actor's dead letters, I expect a count, not 5 ids, and only that actor's back
+    theirs_back = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "bulk", "--actor", "theirs")
+    assert theirs_back.returncode == 0, theirs_back.stderr
+    assert theirs_back.stdout == "5 re-driven, 0 skipped\n"
+    assert {broker.inspect(m.message_id)["state"] for m in theirs} == {"queued"}
+    assert {broker.inspect(m.message_id)["state"] for m in mine} == {"dead"}
+    # With --verbose, the ids too
+    mine_back = cli(dramatiq_pg_url, "--schema", schema, "redrive", "--queue", "bulk", "--verbose")
+    lines = mine_back.stdout.splitlines()
+    assert {line.split()[-1] for line in lines[:-1]} == {m.message_id for m in mine} and lines[0].startswith(
+        "redriven "
+    )
+    assert lines[-1] == "30 re-driven, 0 skipped"
+
+    # Purge takes an actor too, and names what it deleted only with --verbose
+    purged = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "bulk", "--actor", "theirs", "--yes")
+    assert purged.returncode == 0 and purged.stdout == "queued 5, dead 0, cancelled 0, done 0\n", purged
+    assert all(broker.inspect(m.message_id) is None for m in theirs)
+    assert {broker.inspect(m.message_id)["state"] for m in mine} == {"queued"}
+    verbose = cli(dramatiq_pg_url, "--schema", schema, "purge", "--queue", "bulk", "--state", "queued", "--actor",
+                  "mine", "--verbose", "--yes")  # fmt: skip
+    lines = verbose.stdout.splitlines()
+    assert {line.split()[-1] for line in lines[:-1]} == {m.message_id for m in mine} and lines[0].startswith("deleted ")
+    assert lines[-1] == "queued 30"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from datetime import datetime
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
 from typing import Any
 
 import dramatiq
@@ -206,3 +208,89 @@ def test_inspect_shows_what_operators_need(broker: PostgresBroker) -> None:
     assert done["claimed_at"] <= done["finished_at"] and 0 <= done["ran_seconds"] < 30
     assert list(done["args"]) == [2] and done["last_error"] is None
     assert [h["attempt"] for h in done["history"]] == [1]
+
+
+def test_a_cancelled_message_whose_actor_still_runs_says_so_until_it_ends(
+    broker: PostgresBroker, dramatiq_pg_url: str
+) -> None:
+    """Cancelled while its (not interruptible) actor runs: inspect, lists, the CLI and the dashboard say
+    "cancel requested, still running on <holder> since <claim>", for longer than a lease, and every
+    re-drive is refused; when the actor ends, the message is cancelled like any other, and re-drivable."""
+    from test_dashboard import call
+
+    from dramatiq_pg_fenced import admin
+    from dramatiq_pg_fenced.cli import main
+    from dramatiq_pg_fenced.dashboard import dashboard_app
+
+    started, go = threading.Event(), threading.Event()
+
+    @dramatiq.actor(queue_name="slow", max_retries=0)
+    def slow() -> None:
+        started.set()
+        assert go.wait(60)
+
+    app = dashboard_app(broker, actions=True)
+    with running_worker(broker, threads=2), _finally(go.set):
+        message = slow.send()
+        mid = message.message_id
+        assert started.wait(30)
+        assert broker.cancel(mid) is CancelOutcome.RUNNING
+        time.sleep(broker.settings.lease_seconds + 1)  # past the lease it had: the keeper keeps it
+        assert broker.redrive(mid) is False  # its actor still runs: not again meanwhile
+        info = broker.inspect(mid)
+        assert info is not None and info["state"] == "cancelled" and info["still_running"] is True
+        assert info["ran_seconds"] is None
+        assert info["note"] == (
+            f"cancel requested, still running on {info['lease_holder']} since {info['claimed_at'].astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
+        )
+        assert info["lease_holder"].startswith(broker.consumer_id)
+        # Every re-drive is refused meanwhile, saying why
+        refused = admin.redrive(broker.database, broker.statements, [mid], None)
+        assert refused.skipped[mid].startswith("cancel requested, still running on ")
+        assert main(["--url", dramatiq_pg_url, "--schema", broker.schema, "redrive", mid]) == 1
+        (row,) = broker.list_messages("slow", "cancelled").rows
+        assert row["still_running"] is True
+        _, _, page = call(app, f"/message/{mid}")
+        assert "cancel requested, still running on" in page and "Re-drive" not in page
+        status, headers, _ = call(app, "/action", "POST", {"token": app.token, "action": "redrive", "message_id": mid})
+        assert "not+re-driven%3A+cancel+requested%2C+still+running" in headers["Location"]
+        assert state(broker, mid) == ("cancelled", 1)
+        # When the actor ends, its outcome is dropped and the message no longer runs
+        go.set()
+        info = wait_for(lambda: (i := broker.inspect(mid)) and not i["still_running"] and i, 10, "the end")
+    assert info["state"] == "cancelled" and info["lease_expires_at"] is None and "note" not in info
+    _, _, page = call(app, f"/message/{mid}")
+    assert "still running" not in page and "Re-drive" in page
+    assert broker.redrive(mid) is True
+
+
+def test_a_cancelled_message_that_never_started_is_not_shown_running(broker: PostgresBroker) -> None:
+    """Cancelled while prefetched (one thread, busy): within a keeper's tick it no longer looks running."""
+    started, go = threading.Event(), threading.Event()
+
+    @dramatiq.actor(queue_name="pre")
+    def busy(n: int) -> None:
+        started.set()
+        assert go.wait(60)
+
+    with running_worker(broker, threads=1, prefetch=2), _finally(go.set):
+        first, second = busy.send(1), busy.send(2)
+        assert started.wait(30)
+        wait_for(lambda: state(broker, second.message_id) == ("running", 1), 10, "the prefetch")
+        assert broker.cancel(second.message_id) is CancelOutcome.RUNNING
+        wait_for(
+            lambda: not broker.inspect(second.message_id)["still_running"],
+            broker.settings.lease_seconds / 3 + 3,
+            "the keeper to see it never started",
+        )
+        assert broker.inspect(first.message_id)["state"] == "running"
+        go.set()
+
+
+@contextmanager
+def _finally(release: Callable[[], object]) -> Iterator[None]:
+    """Call *release* however the block ends (a failed test must not leave a worker thread waiting)."""
+    try:
+        yield
+    finally:
+        release()

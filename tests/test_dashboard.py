@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import threading
+import traceback
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,7 @@ def test_processes_given_one_secret_accept_each_others_forms(dramatiq_pg_broker:
     other = dashboard_app(broker, actions=True, secret="t")
     assert one.token == two.token != other.token
     assert dashboard_app(broker).token != dashboard_app(broker).token  # no secret: one per app
+    broker.enqueue(dramatiq.Message(queue_name="q", actor_name="x", args=(), kwargs={}, options={}))
     assert call(two, "/action", "POST", {"token": one.token, "action": "pause", "queue": "q"})[0] == "303 See Other"
     assert call(other, "/action", "POST", {"token": one.token, "action": "resume", "queue": "q"})[0].startswith("403")
 
@@ -149,7 +151,7 @@ def test_metrics_page_and_unknown_pages(dramatiq_pg_broker: PostgresBroker) -> N
     app = dashboard_app(broker)
     status, headers, body = call(app, "/metrics")
     assert status == "200 OK" and headers["Content-Type"].startswith("text/plain")
-    assert 'dramatiq_pg_messages{queue="emails",state="due"} 1.0' in body
+    assert 'dramatiq_pg_messages{queue="emails",state="queued"} 1.0' in body
     assert "dramatiq_pg_up 1.0" in body
     assert call(app, "/nowhere")[0].startswith("404")
     assert call(app, "/message/not-a-uuid")[0].startswith("400")
@@ -280,7 +282,7 @@ def test_every_page_and_action_in_headless_chromium(
     }
     assert set(rows) == {"emails", "reports"}
     cells = [c.text for c in rows["emails"].find_elements(By.TAG_NAME, "td")]
-    assert cells[1:7] == ["2", "0", "0", "0", "1", "1"]  # due, delayed, running, expired, dead, cancelled
+    assert cells[1:7] == ["2", "0", "0", "0", "1", "1"]  # queued, delayed, running, expired, dead, cancelled
     assert cells[8] == "1"  # done in the last hour
     shot = tmp_path / "dashboard.png"
     d.save_screenshot(str(shot))
@@ -341,12 +343,79 @@ def test_every_page_and_action_in_headless_chromium(
     assert flash() == "re-driven: 0, skipped: 0"
     row = "//tr[td/a[text()='emails']]"
     Select(d.find_element(By.XPATH, row + "//select[@name='state']")).select_by_visible_text("cancelled")
-    d.find_element(By.XPATH, row + "//input[@name='confirm']").click()
-    button(row + "//button[@value='purge']")
+    button(row + "//form[@action='/purge']//button")
+    assert d.find_element(By.ID, "question").text == "Delete 2 cancelled messages of queue emails?"
+    assert state(broker, m["cancelled"]) == "cancelled"  # asked, not yet done
+    button("//button[@value='purge']")
     assert flash() == "purged: cancelled 2"
     assert state(broker, m["cancelled"]) is None and state(broker, m["queued"]) is None
     assert state(broker, m["other"]) == "queued" and state(broker, m["done"]) == "done"
 
     # Metrics
     d.get(served + "/metrics")
-    assert 'dramatiq_pg_messages{queue="emails",state="due"}' in d.find_element(By.TAG_NAME, "body").text
+    assert 'dramatiq_pg_messages{queue="emails",state="queued"}' in d.find_element(By.TAG_NAME, "body").text
+
+
+def test_lists_and_pages_name_the_exception_first(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.declare_queue("errs")
+    m = dramatiq.Message(queue_name="errs", actor_name="x", args=("café",), kwargs={}, options={})
+    broker.enqueue(m)
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        text = traceback.format_exc()
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now(), last_error = %s"
+          " WHERE message_id = %s", [text, m.message_id])  # fmt: skip
+    app = dashboard_app(broker)
+    _, _, page = call(app, "/messages?queue=errs&state=dead")
+    assert "ValueError: boom ⏎ second line" in page
+    _, _, page = call(app, f"/message/{m.message_id}")
+    assert "<p class=err id=error>ValueError: boom ⏎ second line</p>" in page
+
+
+def test_actions_on_an_unknown_queue_are_refused(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.enqueue(dramatiq.Message(queue_name="mail", actor_name="x", args=(), kwargs={}, options={}))
+    app = dashboard_app(broker, actions=True)
+    for action in ("pause", "resume", "purge", "redrive_queue"):
+        form = {"token": app.token, "action": action, "queue": "nosuchqueue", "confirm": "yes", "state": "dead"}
+        status, _, page = call(app, "/action", "POST", form)
+        assert status.startswith("400") and "no queue &#x27;nosuchqueue&#x27;" in page and "known: mail" in page
+    assert query(broker, "SELECT count(*) FROM {schema}.paused_queue") == [(0,)]
+    status, _, page = call(app, "/messages?queue=nosuchqueue&state=dead")
+    assert status.startswith("404") and "known: mail" in page
+
+
+def test_purge_defaults_to_dead_letters_and_asks_with_the_count_first(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    queued = [dramatiq.Message(queue_name="p", actor_name="x", args=(), kwargs={}, options={}) for _ in range(3)]
+    dead = [dramatiq.Message(queue_name="p", actor_name="x", args=(), kwargs={}, options={}) for _ in range(2)]
+    broker.enqueue_many(queued + dead)
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now() WHERE message_id = ANY(%s::uuid[])",
+          [[m.message_id for m in dead]])  # fmt: skip
+    app = dashboard_app(broker, actions=True)
+    # The queues page offers dead letters first, and no one-click purge
+    _, _, page = call(app, "/")
+    purge = page[page.index('action="/purge"') :]
+    purge = purge[: purge.index("</form>")]
+    assert "<option selected>dead</option>" in purge and "confirm" not in purge
+    # Asked first: how many rows it will delete
+    status, _, page = call(app, "/purge?queue=p&state=dead")
+    assert status == "200 OK" and "Delete 2 dead messages of queue p?" in page and app.token in page
+    _, _, everything = call(app, "/purge?queue=p&state=all")
+    assert "Delete 5 messages of queue p (queued 3, dead 2, cancelled 0, done 0)?" in everything
+    # A purge that did not go through the question deletes nothing
+    status, _, _ = call(app, "/action", "POST", {"token": app.token, "action": "purge", "queue": "p"})
+    assert status.startswith("400") and query(broker, "SELECT count(*) FROM {schema}.message") == [(5,)]
+    # Confirmed without a state: dead letters only
+    form = {"token": app.token, "action": "purge", "queue": "p", "confirm": "yes"}
+    status, headers, _ = call(app, "/action", "POST", form)
+    assert status == "303 See Other" and "purged%3A+dead+2" in headers["Location"]
+    assert query(broker, "SELECT state, count(*) FROM {schema}.message GROUP BY state") == [("queued", 3)]
+    assert call(dashboard_app(broker), "/purge?queue=p&state=dead")[0].startswith("403")  # read-only: no question
+    # A list filtered by actor leads to the same question, for that actor's messages
+    _, _, page = call(app, "/messages?queue=p&state=queued&actor=x")
+    assert 'href="/purge?queue=p&amp;state=queued&amp;actor=x"' in page
+    assert "Delete 3 queued messages of queue p of actor x?" in call(app, "/purge?queue=p&state=queued&actor=x")[2]
+    assert "Nothing to purge" in call(app, "/purge?queue=p&state=queued&actor=y")[2]

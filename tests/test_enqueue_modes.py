@@ -145,6 +145,31 @@ def test_enqueue_many_with_delay_waits_in_the_table(broker: PostgresBroker) -> N
     assert early == 3
 
 
+def test_a_messages_own_delay_option_is_honoured_by_every_send(broker: PostgresBroker) -> None:
+    """Dramatiq keeps a message's delay in ``options["delay"]`` (``actor.message_with_options(delay=...)``,
+    what pipelines read): it delays the message however it is sent; a larger ``delay=`` argument wins."""
+
+    @dramatiq.actor(queue_name="own")
+    def later(n: int) -> None:
+        pass
+
+    def waits(message: dramatiq.Message) -> float:
+        info = broker.inspect(message.message_id)
+        return (info["available_at"] - info["enqueued_at"]).total_seconds()
+
+    (many,) = broker.enqueue_many([later.message_with_options(args=(1,), delay=60_000)])
+    one = broker.enqueue(later.message_with_options(args=(2,), delay=60_000))
+    with broker.batch():
+        batched = later.message_with_options(args=(3,), delay=60_000)
+        broker.enqueue(batched)
+    longer = broker.enqueue(later.message_with_options(args=(4,), delay=60_000), delay=120_000)
+    assert [round(waits(m)) for m in (many, one, batched, longer)] == [60, 60, 60, 120]
+    assert broker.inspect(many.message_id)["options"]["delay"] == 60_000  # as shown: it happened
+    # A delay that is no number of milliseconds is refused, saying why
+    with pytest.raises(ValueError, match=r"options\['delay'\] must be a number of milliseconds"):
+        broker.enqueue_many([later.message_with_options(args=(5,), delay="soon")])
+
+
 def test_enqueue_many_rings_once_per_queue(
     broker: PostgresBroker, listener: Callable[[PostgresBroker], Listener]
 ) -> None:

@@ -262,16 +262,19 @@ def test_enqueue_many_in_with_ack_waits_for_the_ack_and_is_dropped_with_a_stale_
             sent = broker.enqueue_many([child.message(tag, n) for n in range(3)])
         seen[tag] = [broker.inspect(m.message_id) for m in sent]
         if tag == "stale":
-            broker.cancel(parent_message["stale"].message_id)  # fenced out before its ack
+            from dramatiq_pg_fenced import delivery
+
+            running = delivery.running()  # this delivery (the test thread may not have stored its message yet)
+            assert running is not None
+            broker.cancel(running.message_id)  # fenced out before its ack
             go.set()
 
-    parent_message: dict[str, Any] = {}
     with running_worker(broker):
-        parent_message["tied"] = parent.send("tied")
+        parent.send("tied")
         broker.join("default", timeout=10_000)
         assert seen["tied"] == [None, None, None]  # not written before the ack ...
         assert broker.stats()["process"]["dropped_effects"] == 0
-        parent_message["stale"] = parent.send("stale")
+        parent.send("stale")
         wait_for(go.is_set, 10, "the stale delivery")
         broker.join("default", timeout=10_000, fail_fast=False)
     ran = query(broker, "SELECT count(*) FROM {schema}.message WHERE actor_name = 'child'")

@@ -273,6 +273,7 @@ def test_the_overview_counts_what_operators_ask_for(dramatiq_pg_broker: Postgres
           " AND available_at <= now()")  # fmt: skip
     (q,) = broker.queue_overview()
     assert (q["due"], q["delayed"], q["running"], q["expired_leases"], q["dead"], q["cancelled"]) == (4, 1, 1, 1, 1, 1)
+    assert q["queued"] == 5  # due now and later
     assert 89 < q["oldest_due_seconds"] < 120
     assert q["paused_since"] is None
     (capped,) = broker.queue_overview(cap=2)
@@ -339,3 +340,53 @@ def test_stale_writes_are_counted_per_queue(dramatiq_pg_broker: PostgresBroker) 
     (q,) = broker.queue_overview()
     assert q["queue"] == "s" and q["stale_writes"] == 1
     assert admin.counters(broker.database, broker.statements)["stale_writes"] == 1
+
+
+def test_a_queue_is_known_by_its_rows_history_pause_schedule_or_declaration(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    from dramatiq_pg_fenced import admin
+
+    broker = dramatiq_pg_broker_factory()
+    other = dramatiq_pg_broker_factory(schema=broker.schema)  # another process: declares nothing
+    broker.declare_queue("declared")
+    broker.enqueue(message("rows"))
+    query(
+        broker,
+        "INSERT INTO {schema}.history (message_id, seq, queue_name, actor_name, priority, attempt,"
+        " enqueued_at, finished_at, payload) VALUES (gen_random_uuid(), 1, 'kept', 'x', 0, 1, now(), now(), '')",
+    )
+    query(broker, "INSERT INTO {schema}.schedule (name, actor_name, queue_name, every_ms, missed, grace_ms,"
+          " fingerprint) VALUES ('s', 'x', 'scheduled', 1000, 'skip', 0, 'f')")  # fmt: skip
+    assert admin.known_queues(broker.database, broker.statements) == ["kept", "rows", "scheduled"]
+
+    # Given a queue nothing names, I expect every operator method to refuse it, naming the known ones
+    for act in (
+        lambda b: b.pause("nosuch"),
+        lambda b: b.resume("nosuch"),
+        lambda b: b.purge_queue("nosuch"),
+        lambda b: b.redrive_queue("nosuch"),
+        lambda b: b.list_messages("nosuch", "queued"),
+    ):
+        with pytest.raises(admin.UnknownQueue, match="no queue 'nosuch'.*known: kept, rows, scheduled"):
+            act(other)
+    assert query(broker, "SELECT count(*) FROM {schema}.paused_queue") == [(0,)]
+    # A queue this broker's actors declared is known to it; create=True pauses one ahead of any message
+    assert broker.pause("declared") is True
+    with pytest.raises(admin.UnknownQueue):
+        other.pause("ahead")
+    assert other.pause("ahead", create=True) is True
+    assert [q["queue"] for q in other.queue_overview()] == ["ahead", "declared", "rows"]
+
+
+def test_bulk_re_drive_and_purge_of_one_actor(dramatiq_pg_broker: PostgresBroker) -> None:
+    broker = dramatiq_pg_broker
+    broker.declare_queue("b")
+    ours, others = [message("b", actor="ours") for _ in range(3)], [message("b", actor="other") for _ in range(2)]
+    broker.enqueue_many(ours + others)
+    query(broker, "UPDATE {schema}.message SET state = 'dead', finished_at = now()")
+    assert sorted(broker.redrive_queue("b", actor="ours").redriven) == sorted(m.message_id for m in ours)
+    assert {broker.inspect(m.message_id)["state"] for m in others} == {"dead"}
+    assert broker.purge_queue("b", ("dead",), actor="nobody") == {"dead": 0}
+    assert broker.purge_queue("b", actor="other") == {"queued": 0, "dead": 2, "cancelled": 0, "done": 0}
+    assert {broker.inspect(m.message_id)["state"] for m in ours} == {"queued"}

@@ -136,7 +136,7 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     from dramatiq_pg_fenced.metrics import families
 
     queue = {
-        "queue": "mail", "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
+        "queue": "mail", "queued": 4, "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
         "done_last_minute": 5, "done_last_hour": 50, "dead_last_hour": 2, "stale_writes": 5,
         "oldest_due_seconds": 12.5,
         "paused_since": None,
@@ -149,7 +149,8 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Fixed())
     text = generate_latest(registry).decode()
-    assert 'dramatiq_pg_messages{queue="mail",state="due"} 3.0' in text
+    assert 'dramatiq_pg_messages{queue="mail",state="queued"} 4.0' in text
+    assert 'dramatiq_pg_delayed_messages{queue="mail"} 1.0' in text
     assert 'dramatiq_pg_messages{queue="mail",state="dead"} 4.0' in text
     assert 'dramatiq_pg_oldest_due_age_seconds{queue="mail"} 12.5' in text
     assert 'dramatiq_pg_queue_paused{queue="mail"} 0.0' in text
@@ -165,7 +166,7 @@ def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
     from dramatiq_pg_fenced.admin import list_messages, page_cursor
 
     at = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone(timedelta(hours=2)))
-    row = ("id", "a", "queued", 1, -3, at, at, at, None, None, 42)
+    row = ("id", "a", "queued", 1, -3, at, at, at, None, None, False, 42)
     assert page_cursor("queued", row) == "-3|2026-01-02T01:04:05.006789Z|42"
     assert page_cursor("dead", row) == "2026-01-02T01:04:05.006789Z|42"
     assert page_cursor("running", row) == "42"
@@ -189,3 +190,32 @@ def test_statements_are_read_only_and_complete() -> None:
         Statements(**names)
     with pytest.raises(TypeError, match="unknown \\['nonsense'\\]"):
         Statements(**vars(bound), nonsense=b"SELECT 1")
+
+
+def test_an_error_summary_names_the_exception_first() -> None:
+    from dramatiq_pg_fenced.admin import error_summary
+
+    frames = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n'
+    assert error_summary(frames + "ValueError: boom\n") == "ValueError: boom"
+    assert error_summary(frames + "ValueError: boom\nsecond line\n") == "ValueError: boom ⏎ second line"
+    assert error_summary("retry refused: too large\n" + frames + "KeyError: 'k'\n") == (
+        "KeyError: 'k' ⏎ retry refused: too large"
+    )
+    # cut by storable_text between the frames: the tail still names it
+    assert error_summary(frames + "[... 70000 bytes cut here ...]\n  File 'b.py'\nOSError: gone") == "OSError: gone"
+    assert error_summary("ValueError('boom')") == "ValueError('boom')"  # no traceback: the text
+    assert error_summary(None) == "" and error_summary("x" * 500, limit=10) == "x" * 9 + "…"
+
+
+def test_cancelled_deliveries_held_here_are_running_or_never_started() -> None:
+    leases = Leases()
+    for mid in ("runs", "ended", "waits", "other"):
+        leases.hold("q", mid, 1, f"t-{mid}")
+    assert leases.start("runs", "t-runs") and leases.start("ended", "t-ended")
+    leases.settle("ended")  # its outcome is on its way: the writer clears its lease
+    for mid in ("runs", "ended", "waits"):
+        leases.mark_cancelled(mid)
+    assert leases.cancelled() == ({"runs": "t-runs"}, {"waits": "t-waits"})
+    assert not leases.start("waits", "t-waits")  # cancelled before it started: never starts
+    leases.release("runs", "t-runs")
+    assert leases.cancelled() == ({}, {"waits": "t-waits"})
