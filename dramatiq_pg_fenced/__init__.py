@@ -3,6 +3,7 @@
 from .broker import CancelOutcome, PostgresBroker
 from .delivery import PostgresMessageProxy
 from .errors import DeadLetterError, PayloadTooLarge, SchemaError
+from .startup import StartupError
 
 __all__ = [
     "CancelOutcome",
@@ -11,6 +12,7 @@ __all__ = [
     "PostgresBroker",
     "PostgresMessageProxy",
     "SchemaError",
+    "StartupError",
 ]
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
-from . import admin, delivery
+from . import admin, delivery, startup
 from .admin import CancelOutcome, OperatorMethods
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -164,6 +164,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethod
         self._parts: ProcessParts | None = None
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
         self._local = threading.local()  # per thread: an open batch() or transaction()
+        self._checked_in: int | None = None  # the process whose start-up check passed
         self.add_middleware(UniqueMessages())  # declares the unique_key and unique_until actor options
         self.add_middleware(FencedDelivery())
 
@@ -254,6 +255,14 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethod
     def migrate(self) -> list[int]:
         """Create or upgrade the schema; returns the versions applied."""
         return self.database.migrate()
+
+    def check_startup(self) -> None:
+        """Raise :class:`~.startup.StartupError` if the database can never work as configured (role,
+        password, database, schema); pass if it works, or cannot be reached now (waited for).  Once per
+        process, as a worker starts (``FencedDelivery``)."""
+        if self._checked_in != this_process():
+            startup.check(self.database)
+            self._checked_in = this_process()
 
     def close(self) -> None:
         """Write pending outcomes, stop the background threads and listeners, close the pool (if ours)."""

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from dramatiq.errors import BrokerError
 
-from . import __version__, admin, schedules
+from . import __version__, admin, schedules, startup
 from .broker import PostgresBroker
 from .config import DEFAULT_SCHEMA
 from .errors import describe_failure
@@ -368,7 +368,7 @@ def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
     if args.once:
         sys.stdout.write(metrics.exposition(registry).decode())
         return OK
-    broker.database.run(lambda conn: None)  # fail now, not at the first scrape, if the database is away
+    _check_before_serving(broker, "each scrape answers dramatiq_pg_up 0")
     from prometheus_client import make_wsgi_app
 
     from .dashboard import AllowedHosts, host_checked, make_dashboard_server, netloc
@@ -390,7 +390,7 @@ def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     from .dashboard import dashboard_app, make_dashboard_server, netloc
 
     auth = _dashboard_auth(args.auth_file)
-    broker.database.run(lambda conn: None)  # fail now if the database is away or not migrated
+    _check_before_serving(broker, "its pages answer 503")
     app = dashboard_app(broker, actions=args.actions, ring=True, allowed_hosts=_allowed_hosts(args), auth=auth)
     server = make_dashboard_server(app, args.host, args.port)  # warns if it exposes actions to anyone
     mode = ("actions on" if args.actions else "read-only") + (", authentication on" if auth else "")
@@ -402,6 +402,14 @@ def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return OK
+
+
+def _check_before_serving(broker: PostgresBroker, meanwhile: str) -> None:
+    """A role, password, database or schema that can never work: fail now (``StartupError``, exit 3).
+    A database that cannot be reached now: serve all the same, and say so (as once started)."""
+    away = startup.check(broker.database)
+    if away is not None:
+        print(f"note: {away}; {meanwhile} until it is back", file=sys.stderr)
 
 
 def _allowed_hosts(args: argparse.Namespace) -> list[str]:

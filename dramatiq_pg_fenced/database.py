@@ -261,14 +261,15 @@ class Database:
         pool (``RETRY_INTERVAL``) while this process knows the server is unreachable (refused,
         unknown host, wrong password...): a ``send()`` in a web request must not hang on a database
         that is down, and one made as the server comes back gets the first connection the pool
-        makes.  The background parts wait for the pool."""
-        if not fail_fast:
-            with local.pool.connection(timeout=timeout) as conn:
-                yield conn
-            return
+        makes.  The background parts wait for the pool (and so an outage is announced: reconnect.py)."""
         server = local.server
         if server is None:
             server = local.server = server_for(self.conninfo)
+        if not fail_fast:
+            server.awaited = True
+            with local.pool.connection(timeout=timeout) as conn:
+                yield conn
+            return
         start = time.monotonic()
         deadline = start + (self.connect_timeout if timeout is None else timeout)
         while True:

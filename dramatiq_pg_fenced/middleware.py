@@ -22,6 +22,13 @@ middleware's and its ``after_process_message`` before every other's.
   its thread (see :mod:`.interrupt`; added to the actor's ``throws``, so it is
   not retried), and the delivery ends as cancelled, causing nothing.
 
+- **When a worker starts**, it checks once that the broker's database can
+  work as configured (see :mod:`.startup`): a role, password, database or
+  schema that can never work stops a ``dramatiq`` worker process at once
+  (one line, exit code 3), and makes ``Worker.start()`` raise
+  :class:`~.startup.StartupError`; a server that cannot be reached now is
+  waited for.
+
 - **When the worker begins to shut down** (SIGTERM), the deliveries it
   holds in its prefetch but has not started go back to their queue at once
   (fenced, the attempt kept), for other workers, instead of after the
@@ -40,6 +47,10 @@ from dramatiq.middleware import GroupCallbacks, Middleware, SkipMessage
 from . import delivery
 from .delivery import PostgresMessageProxy
 from .interrupt import interruptible, with_throws
+from .startup import StartupError
+
+#: How a ``dramatiq`` worker process ends when its broker fails at start-up (``dramatiq.cli.RET_CONNECT``).
+EXIT_BROKER_FAILED = 3
 
 
 class FencedDelivery(Middleware):
@@ -59,7 +70,23 @@ class FencedDelivery(Middleware):
         actor.fn = interruptible(actor.fn, lambda: broker.interrupter)
         actor.options["throws"] = with_throws(actor.options.get("throws"))
 
+    def after_process_boot(self, broker: Any) -> None:
+        """Sent only in a ``dramatiq`` worker process, before it loads the other modules: a configuration
+        that can never work ends the process here, after one line (not a traceback, and not a worker
+        that says it is ready and waits forever)."""
+        check = getattr(broker, "check_startup", None)
+        if check is None:
+            return
+        try:
+            check()
+        except StartupError as e:
+            broker.logger.error("%s", e)
+            raise SystemExit(EXIT_BROKER_FAILED) from None  # past Dramatiq's emit_after, which logs Exceptions
+
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        check = getattr(broker, "check_startup", None)
+        if check is not None:
+            check()  # a worker of your own: Worker.start() raises StartupError (once per process)
         for actor in list(broker.actors.values()):
             self.after_declare_actor(broker, actor)  # declared before this middleware was added
         for m in broker.middleware:

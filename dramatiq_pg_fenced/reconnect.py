@@ -18,7 +18,9 @@ for it.  Here, every connection a process makes to one server goes through one
 - The outage is logged once when it starts (server and cause: with several
   hosts in the URL, each host tried and its own cause), as a reminder at most
   every :data:`REMINDER_INTERVAL`, and once when it ends.  The parts do not log
-  a line per try.
+  a line per try.  Only when some part of the process waits for the server
+  (:attr:`Server.awaited`: a worker's consumers): a ``send()`` or a command
+  that fails says why itself, and retries nothing.
 - A server that takes no writes (a standby, a primary demoted with its sockets
   open: SQLSTATE 25006) is a lost connection too.  The part that meets it says
   so (:meth:`Server.unwritable`): every connection made to it before is then
@@ -74,6 +76,10 @@ class Server:
         self._last_try = 0.0  # monotonic start of the last real attempt while down
         self._last_report = 0.0
         self._returns = 0  # how many times the server came back: wakes pause()
+        #: Does a part of this process wait for the server (and resume when it is back)?  Only then is an
+        #: outage announced; set by the database layer for its background parts.
+        self.awaited = False
+        self._announced = False  # this outage was logged
         #: Bumped when the server is found to take no writes: connections made before are dropped.
         self.generation = 0
         self._unwritable_since: float | None = None  # monotonic
@@ -118,7 +124,12 @@ class Server:
         with self._cond:
             self._cause = cause
             if self._down_since is None:
-                self._down_since = self._last_try = self._last_report = now
+                self._down_since = self._last_try = now
+                self._announced = False
+            if not self._announced:
+                if not self.awaited:
+                    return  # nobody here waits: the caller's error says it all
+                self._announced, self._last_report = True, now
                 logger.warning(
                     "Cannot connect to PostgreSQL at %s: %s. Trying again every %.1f s; work resumes when it is back.",
                     self.where,
@@ -184,7 +195,9 @@ class Server:
             self._down_since = None
             self._returns += 1
             self._cond.notify_all()
-        logger.info("PostgreSQL at %s is reachable again (unreachable for %.1f s).", self.where, down_for)
+            announced = self._announced
+        if announced:
+            logger.info("PostgreSQL at %s is reachable again (unreachable for %.1f s).", self.where, down_for)
 
 
 _servers: dict[str, Server] = {}

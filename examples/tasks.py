@@ -1,6 +1,7 @@
 """The quickstart's actors.  Workers load this module: ``dramatiq tasks``.
 
-The broker and the results backend both come from ``DATABASE_URL``.
+The broker and the results backend both come from ``DATABASE_URL``, in the schema
+``DRAMATIQ_PG_SCHEMA`` (the quickstart sets one of its own).
 """
 
 import os

@@ -20,6 +20,7 @@ import pytest
 from pgbouncer import PgBouncer
 from pgbouncer import binary as pgbouncer_binary
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PostgresBroker
 
@@ -140,3 +141,36 @@ def least_privilege(dramatiq_pg_url: str, pgbouncer: PgBouncer) -> Iterator[Leas
             for role in (app, owner):
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+class OwnData(NamedTuple):
+    """A database as a developer's ``DATABASE_URL`` points at: their own data in it."""
+
+    url: str
+    dbname: str
+    admin_url: str  #: the test server's database, to watch this one from outside
+
+
+@pytest.fixture
+def own_data(dramatiq_pg_url: str) -> Iterator[OwnData]:
+    """A database of its own whose default schema (``dramatiq``) is migrated and whose ``default``
+    queue holds three messages, as a developer's working database would; dropped afterwards."""
+    dbname = f"own_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    url = make_conninfo(dramatiq_pg_url, dbname=dbname)
+    broker = PostgresBroker(url, listen=False)
+    try:
+        broker.migrate()
+        broker.declare_queue("default")
+        broker.enqueue_many(
+            dramatiq.Message(queue_name="default", actor_name="theirs", args=(n,), kwargs={}, options={})
+            for n in range(3)
+        )
+    finally:
+        broker.close()
+    try:
+        yield OwnData(url, dbname, dramatiq_pg_url)
+    finally:
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from psycopg import sql
 
@@ -61,3 +62,24 @@ def acked(broker: PostgresBroker, message_id: str, attempt: int | None = None) -
     """Was the message acked (it is in the history, state ``done``), by *attempt* if given?"""
     info = broker.inspect(message_id)
     return info is not None and info["state"] == "done" and attempt in (None, info["attempt"])
+
+
+def messages_in(url: str, schema: str = "dramatiq") -> list[tuple]:
+    """Every message row of *schema* (id, queue, state, attempt), in id order."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        stmt = sql.SQL("SELECT message_id::text, queue_name, state::text, attempt FROM {}.message ORDER BY 1")
+        return conn.execute(stmt.format(sql.Identifier(schema))).fetchall()
+
+
+def sessions_of(admin_url: str, dbname: str) -> int:
+    """How many sessions were ever opened on database *dbname* (``pg_stat_database.sessions``), read from
+    another database once the count is settled (a backend reports its session as it ends)."""
+    last = None
+    while True:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            row = conn.execute("SELECT sessions FROM pg_stat_database WHERE datname = %s", [dbname]).fetchone()
+        count = int(row[0]) if row else 0
+        if count == last:
+            return count
+        last = count
+        time.sleep(1.0)

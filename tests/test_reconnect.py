@@ -36,6 +36,7 @@ def test_while_a_server_is_down_the_process_tries_it_at_a_steady_pace_and_says_s
     and its end once."""
     monkeypatch.setattr(reconnect, "REMINDER_INTERVAL", 0.3)
     server = reconnect.Server("db:5432/app")
+    server.awaited = True  # a part of the process waits for it (a worker's consumer)
     real: list[float] = []
 
     def attempt() -> Any:
