@@ -230,6 +230,8 @@ class Dashboard:
       auth: require HTTP authentication: ``"user:password"`` or a token (see
         :class:`Credentials`); read it from a file or the environment, never
         from code or a command line.  ``None``: none (put the app behind yours).
+      declared: the queues of the broker's actors, known before their first
+        message (``dashboard_app`` passes the broker's).
     """
 
     def __init__(
@@ -243,6 +245,7 @@ class Dashboard:
         secret: str | None = None,
         allowed_hosts: Iterable[str] = (),
         auth: str | None = None,
+        declared: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.database = database
         self.statements = statements
@@ -257,6 +260,8 @@ class Dashboard:
         )
         self.allowed_hosts = AllowedHosts(allowed_hosts)
         self.auth = Credentials(auth) if auth is not None else None
+        #: The queues of the broker's actors (``dashboard_app``): known before their first message.
+        self.declared = declared
         self._metrics: Any = None
 
     # -- WSGI --------------------------------------------------------------------
@@ -341,7 +346,7 @@ class Dashboard:
         # A message's buttons carry the version its page showed: they act on that row only.
         message_id, seen = form.get("message_id", ""), form.get("seen") or None
         if action in ("pause", "resume", "purge", "redrive_queue"):
-            admin.check_known(db, st, form.get("queue", ""))  # never a phantom queue (400, naming the known ones)
+            admin.check_known(db, st, form.get("queue", ""), declared=self.declared())  # never a phantom queue (400, naming the known ones)
         if action == "cancel":
             outcome = admin.cancel(db, st, message_id, channel=self.settings.channel, seen=seen)
             note = f"cancel: {outcome.value}"
@@ -442,7 +447,7 @@ class Dashboard:
             raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
         queue, state = query.get("queue", ""), query.get("state") or "dead"
         actor = query.get("actor", "").strip()
-        admin.check_known(self.database, self.statements, queue)
+        admin.check_known(self.database, self.statements, queue, declared=self.declared())
         if state != "all" and state not in admin.PURGEABLE:
             raise ValueError(f"cannot purge state {state!r}: one of all, {', '.join(admin.PURGEABLE)}")
         states = admin.PURGEABLE if state == "all" else (state,)
@@ -455,13 +460,13 @@ class Dashboard:
         if state == "all":
             what += " (" + ", ".join(f"{s} {_many(n)}" for s, n in counts.items()) + ")"
         if not total:
-            return self.layout("Purge", f'<p id=nothing>Nothing to purge: {_e(what)}.</p><p><a href="/">Back</a></p>')
+            return self.layout("Purge", f'<p id=nothing>Nothing to purge: {_e(what)}.</p><p><a href="{_ROOT.get()}/">Back</a></p>')
         fields = {"queue": queue, "state": state, "actor": actor, "confirm": "yes"}
         body = (
             f"<p id=question>Delete {_e(what)}?</p>"
             "<p class=note>Counted just now; running messages are never deleted, and any that arrive meanwhile in "
             "these states are deleted too. This cannot be undone.</p>"
-            f'<p class=actions>{self._form("purge", f"Delete {_many(total)}", fields, "/")} <a href="/">Cancel</a></p>'
+            f'<p class=actions>{self._form("purge", f"Delete {_many(total)}", fields, "/")} <a href="{_ROOT.get()}/">Cancel</a></p>'
         )
         return self.layout("Purge", body)
 
@@ -469,7 +474,7 @@ class Dashboard:
         queue = query.get("queue", "")
         state = query.get("state", "queued")
         actor = query.get("actor", "").strip()
-        names = admin.known_queues(self.database, self.statements)
+        names = sorted(set(admin.known_queues(self.database, self.statements)).union(self.declared()))
         if not queue and names:
             queue = names[0]
         if queue and queue not in names:
@@ -649,7 +654,7 @@ def _purge_question(queue: str) -> str:
     """The queues page's purge control: it asks first (:meth:`Dashboard.purge_page`); dead letters by default."""
     options = "".join(f"<option{' selected' if s == 'dead' else ''}>{s}</option>" for s in (*_PURGE_ORDER, "all"))
     return (
-        f'<form method=get action="/purge" class=inline><input type=hidden name=queue value="{_e(queue)}">'
+        f'<form method=get action="{_ROOT.get()}/purge" class=inline><input type=hidden name=queue value="{_e(queue)}">'
         f'<select name=state aria-label="state to purge">{options}</select><button>Purge…</button></form>'
     )
 
@@ -766,6 +771,7 @@ def dashboard_app(
         secret=secret,
         allowed_hosts=allowed_hosts,
         auth=auth,
+        declared=broker.get_declared_queues,
     )
 
 

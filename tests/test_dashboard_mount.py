@@ -63,7 +63,7 @@ def test_every_link_form_and_redirect_of_a_mounted_dashboard_stays_under_its_pat
     found = [link for page in pages for link in links(page)]
     assert f"/ops/queues/message/{queued.message_id}" in found
     assert "/ops/queues/action" in found and "/ops/queues/messages" in found and "/ops/queues/" in found
-    assert all(link.startswith("/ops/queues/") for link in found), found
+    assert all(link.startswith("/ops/queues/") for link in found), [x for x in found if not x.startswith("/ops/queues/")]
     # and an action to come back under it, while its form names the page inside the dashboard
     next_url = re.search(r'name="next" value="([^"]*)"', pages[2])
     assert next_url is not None and next_url[1] == f"/message/{queued.message_id}"
