@@ -81,8 +81,8 @@ def pgbouncer(dramatiq_pg_url: str) -> Iterator[PgBouncer]:
 
 
 def readme_permissions() -> list[str]:
-    """The SQL blocks of the README's "Permissions" section, in order."""
-    text = (REPO / "README.md").read_text()
+    """The SQL blocks of the README's "Permissions" section (now docs/permissions.md), in order."""
+    text = (REPO / "docs" / "permissions.md").read_text()
     section = text.split("\n## Permissions\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
