@@ -1,10 +1,11 @@
 """MkDocs hooks: the pages kept at the repository's root, links to the rest of the repository, the version.
 
-- README.md, ARCHITECTURE.md and CHANGELOG.md stay where GitHub and PyPI show them; the site
-  renders them as ``index.md``, ``architecture.md`` and ``changelog.md``.
+- README.md, ARCHITECTURE.md, CHANGELOG.md and benchmarks/README.md stay where GitHub and PyPI
+  show them; the site renders them as ``index.md``, ``architecture.md``, ``changelog.md`` and
+  ``benchmarks.md``.
 - Every page's links are written for the repository as it is checked out (``docs/x.md`` from the
   README, ``../examples/flask_app.py`` from a page), so they work on GitHub and in an editor. Here
-  they are rewritten for the site: a link into docs/ points to its page, a link to one of the root
+  they are rewritten for the site: a link into docs/ points to its page, a link to one of those
   pages to its rendering, and a link to any other file of the repository (an example, the
   benchmark chart) to a copy served with the site under ``_repo/``. A link to a file that does not
   exist is left alone, so that the strict build fails on it.
@@ -22,8 +23,13 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 
-#: the root files rendered as pages, and their pages' names
-ROOT_PAGES = {"README.md": "index.md", "ARCHITECTURE.md": "architecture.md", "CHANGELOG.md": "changelog.md"}
+#: the repository's pages outside docs/ rendered as pages of the site, and their names there
+ROOT_PAGES = {
+    "README.md": "index.md",
+    "ARCHITECTURE.md": "architecture.md",
+    "CHANGELOG.md": "changelog.md",
+    "benchmarks/README.md": "benchmarks.md",
+}
 #: where copies of the other repository files linked from a page are served
 REPO_FILES = "_repo/"
 
