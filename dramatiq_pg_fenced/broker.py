@@ -408,10 +408,10 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethod
 
         Raises:
           QueueJoinTimeout: after ``timeout`` milliseconds.
-          The actor's exception (or :class:`DeadLetterError` when it failed in
-          another process) once a message of the queue was dead-lettered since
-          the last flush; ``fail_fast=False`` waits regardless.  True by
-          default, as Dramatiq 2's ``StubBroker.join``.
+          Exception: the actor's exception (or :class:`DeadLetterError` when it
+            failed in another process) once a message of the queue was
+            dead-lettered since the last flush; ``fail_fast=False`` waits
+            regardless.  True by default, as Dramatiq 2's ``StubBroker.join``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         stmts = self.statements

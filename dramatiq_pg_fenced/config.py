@@ -1,4 +1,4 @@
-"""Defaults, defined once (the README's configuration table lists them), and
+"""Defaults, defined once (docs/configuration.md lists them), and
 the settings the broker hands to its parts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 DEFAULT_DEAD_MESSAGE_TTL = 7 * 86400
 #: Seconds acked messages stay in the history table (0: none kept).  One hour
 #: answers "what happened to message X" through an incident and is bounded on
-#: disk; the README's "Operating it" gives the measured cost per message.
+#: disk; docs/operating.md ("What history costs") gives the measured cost per message.
 DEFAULT_KEEP_FINISHED = 3600
 DEFAULT_POOL_MAX_SIZE = 8
 DEFAULT_CONNECT_TIMEOUT = 5

@@ -111,7 +111,9 @@ class PostgresBackend(ResultBackend):
         the writes).  Defaults to the broker's, else ``"dramatiq"``.
       broker: the :class:`PostgresBroker` that runs the actors: share its
         database and commit results with acks (see the module docstring).
-      namespace, encoder, use_namespace_prefix_keys: as Dramatiq's backends.
+      namespace: as Dramatiq's backends.
+      encoder: as Dramatiq's backends.
+      use_namespace_prefix_keys: as Dramatiq's backends.
       listen: ``False`` turns LISTEN off, and prepared statements in a pool
         made from ``url`` (PgBouncer transaction pooling); blocking reads then
         poll.  Defaults to the broker's setting.

@@ -1,6 +1,6 @@
 """An application module as a project has one: its broker comes from ``DATABASE_URL`` when it is imported,
 and its actors are declared on that broker.  ``examples/test_shop.py`` tests it without touching that
-database (see "Testing your own code with it" in the README).
+database (see docs/testing.md, "Testing your own code with it").
 
     DATABASE_URL=postgresql://app@db/app dramatiq shop
 """

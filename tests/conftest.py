@@ -81,27 +81,26 @@ def pgbouncer(dramatiq_pg_url: str) -> Iterator[PgBouncer]:
 
 
 def readme_permissions() -> list[str]:
-    """The SQL blocks of the README's "Permissions" section, in order."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Permissions\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
+    """The SQL blocks of the documentation's Permissions page (docs/permissions.md), in order."""
+    text = (REPO / "docs" / "permissions.md").read_text()
+    return re.findall(r"```sql\n(.*?)```", text, flags=re.S)
 
 
 class LeastPrivilege(NamedTuple):
-    """Roles set up exactly as the README's "Permissions" section says."""
+    """Roles set up exactly as the Permissions page (docs/permissions.md) says."""
 
     schema: str
     owner: str  #: owns the schema (and, once migrated, its tables); no CREATE on the database
-    app: str  #: owns nothing; only the README's grants
+    app: str  #: owns nothing; only the Permissions page's grants
     password: str
-    grant: Callable[[], None]  #: the README's second block, run as the owner
+    grant: Callable[[], None]  #: the page's second block, run as the owner
 
 
 @pytest.fixture
 def least_privilege(dramatiq_pg_url: str, pgbouncer: PgBouncer) -> Iterator[LeastPrivilege]:
     """A schema owned by a migrating role, an application role, both let through PgBouncer.
 
-    The README's first block runs here (as the superuser); the test runs
+    The Permissions page's first block runs here (as the superuser); the test runs
     ``migrate`` and ``grant()`` (the second block, as the owner) when it wants.
     """
     suffix = uuid.uuid4().hex[:8]
@@ -116,7 +115,7 @@ def least_privilege(dramatiq_pg_url: str, pgbouncer: PgBouncer) -> Iterator[Leas
         return [s.strip() for s in block.split(";") if s.strip() and not s.strip().startswith("--")]
 
     blocks = readme_permissions()
-    assert len(blocks) == 2, "the README's Permissions section has two SQL blocks: the superuser's, the owner's"
+    assert len(blocks) == 2, "docs/permissions.md has two SQL blocks: the superuser's, the owner's"
     password = re.search(r"PASSWORD '([^']*)'", blocks[0])
     assert password is not None
     with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:

@@ -118,7 +118,7 @@ def message(actor: str = "plain", queue: str = "default", *args: Any) -> Message
     return Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
 
 
-# -- the README's set-up through PgBouncer -----------------------------------------------
+# -- the set-up of docs/pgbouncer.md through PgBouncer ------------------------------------
 def test_sends_claims_and_acks_through_pgbouncer(pgbouncer, dramatiq_pg_url, schema, closing):
     """Hundreds of statements per connection (psycopg would prepare after five) in several threads."""
     migrate_direct(dramatiq_pg_url, schema)
@@ -252,7 +252,7 @@ def cli(url: str, schema: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
-    assert result.returncode == 3, (result.stdout, result.stderr)  # 3: the database refused (README, exit codes)
+    assert result.returncode == 3, (result.stdout, result.stderr)  # 3: the database refused (docs/operating.md, exit codes)
     assert "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -509,7 +509,7 @@ def run_workload(
 
 @pytest.mark.slow
 def test_workload_through_pgbouncer(pgbouncer, dramatiq_pg_url, dramatiq_cli, monkeypatch, closing, schema):
-    """The README's set-up, ``url=<PgBouncer>, listen=False``: 0 lost, 0 extra, clean server connections."""
+    """The set-up of docs/pgbouncer.md, ``url=<PgBouncer>, listen=False``: 0 lost, 0 extra, clean server connections."""
     migrate_direct(dramatiq_pg_url, schema)
     figures = run_workload(
         broker_url=pgbouncer.url(), schema=schema, ledger_url=dramatiq_pg_url,
@@ -525,7 +525,7 @@ def test_workload_through_pgbouncer(pgbouncer, dramatiq_pg_url, dramatiq_cli, mo
 def test_workload_as_a_least_privilege_role(
     least_privilege, pgbouncer, dramatiq_pg_url, dramatiq_cli, monkeypatch, closing
 ):
-    """The same workload as the README's application role, migrated by the README's owner role."""
+    """The same workload as docs/permissions.md's application role, migrated by its owner role."""
     lp = least_privilege
     lp.grant()  # before migrate: the default privileges cover the tables migrate creates
     migrated = cli(pgbouncer.url(lp.owner), lp.schema, "migrate")
@@ -550,7 +550,7 @@ def test_workload_as_a_least_privilege_role(
 
 
 def test_operator_commands_need_what_the_readme_says(least_privilege, pgbouncer, closing):
-    """The README's table: stats and inspect read; cancel also updates ``message``; compact needs the owner."""
+    """The table of docs/permissions.md: stats and inspect read; cancel also updates ``message``; compact needs the owner."""
     lp = least_privilege
     owner_url, ops_url = pgbouncer.url(lp.owner), pgbouncer.url(lp.app)
     assert cli(owner_url, lp.schema, "migrate").returncode == 0

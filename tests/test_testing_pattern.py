@@ -1,4 +1,4 @@
-"""The README's pattern for testing one's own code ("Testing your own code with it"), on an app module
+"""The pattern for testing one's own code (docs/testing.md, "Testing your own code with it"), on an app module
 that builds its broker from DATABASE_URL at import (examples/shop.py) and its tests
 (examples/test_shop.py), run by pytest in a process of their own as a project's suite would be."""
 

@@ -1,6 +1,6 @@
 """The app of the PgBouncer workload test: ``dramatiq tests.apps.pgbouncer_app``.
 
-The broker is the README's PgBouncer set-up, ``results.setup(url, listen=False)``
+The broker is the PgBouncer set-up of docs/pgbouncer.md, ``results.setup(url, listen=False)``
 (a ``PostgresBroker(url, listen=False)`` with results and group callbacks),
 with ``url`` = ``PGB_BROKER_URL``: PgBouncer in transaction pooling, as the
 role the test chose.  Every execution of an actor writes one row to an
@@ -68,7 +68,7 @@ class Ledger:
 def build(
     broker_url: str, schema: str, ledger_url: str
 ) -> tuple[PostgresBroker, results.PostgresBackend, dict[str, Any]]:
-    """The broker (README's PgBouncer set-up), its results backend, and the actors by name."""
+    """The broker (the PgBouncer set-up of docs/pgbouncer.md), its results backend, and the actors by name."""
     broker, backend = results.setup(broker_url, schema=schema, listen=False)
     broker.add_middleware(CurrentMessage())
     mutex_backend = rate_limits.PostgresBackend(broker=broker)
