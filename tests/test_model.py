@@ -1,58 +1,124 @@
 """A model-based randomized test of the fence (Hypothesis stateful testing, real PostgreSQL).
 
 Three brokers on one schema play three worker processes, each with one
-consumer of the same queue.  Hypothesis interleaves at random: sends, re-sends
-of an id, claims, acks (with a follow-up message tied to them), nacks, retries,
-late writes from stale deliveries, lease expiry and rescue, cancels, and writes
-whose connection breaks at commit.  After every step the database is checked
-against a reference model (sends with a unique key included, issue 12):
+consumer of the same queue, the Results middleware and our results backend
+(``store_results``), and a ``max_deliveries`` of its own (10, 3 and 2: the
+rescuer's decides).  Hypothesis interleaves at random:
+
+- producers: sends (storing results or not), re-sends of an id, sends with a
+  unique key, outbox sends (``broker.transaction(conn)`` on a connection of
+  the test's own, then commit or rollback);
+- deliveries, run as a worker thread runs them (``delivery.start``, the actor
+  body, the middleware's ``after_process_message``, Dramatiq's ack or nack):
+  ack (with its result), nack (the exception stored with it), retry through
+  Dramatiq's Retries, a retry the actor makes itself (its own message
+  re-enqueued at once), each with sends inside ``with broker.with_ack():``, an
+  outbox send nested in that block, and a follow-up message the middleware
+  sends (the next pipeline step, a callback); an ack whose connection breaks
+  at commit; a release at shutdown (``consumer.requeue``);
+- faults: a delivery's holder stalls past its lease and another process takes
+  the message; every lease lapses and a process rescues them;
+- operators, through the broker's methods: cancel, re-drive (one message, a
+  whole queue, and one that other operators and workers race between its read
+  and its write), purge, pause and resume;
+- result reads (``backend.get_result``).
+
+After every step the database is checked against a reference model:
 
 - each message is where the model says (queued, running, dead, cancelled, or
-  finished and gone), at the attempt the model says;
+  finished and gone: in the history), at the attempt the model says, with the
+  deliveries lost without an outcome and the ``last_error`` the model says (the
+  error of the delivery whose nack or retry applied; the rescuer's reason, with
+  its ``max_deliveries``, when it dead-lettered the message);
 - attempt numbers only grow (for one incarnation of an id);
-- a follow-up message exists exactly for the acks that applied: no effect of a
-  fenced-out delivery;
+- a paused queue is never claimed, and a due message of an unpaused queue is;
+  a purge never deletes a running message, and deletes exactly what it reports;
+- a re-drive moves back exactly the dead or cancelled messages, and never one
+  that moved on after the re-drive read it;
+- what a delivery causes exists exactly when that delivery's outcome applied:
+  the middleware's follow-up with any outcome, the sends inside ``with_ack()``
+  only with an ack (never with a retry, a dead letter or a fenced-out ack), and
+  each broker's ``stats()["process"]["dropped_effects"]`` counts every one
+  dropped; an outbox send exists exactly when its transaction committed,
+  inside ``with_ack()`` too (the innermost transaction decides);
+- every fenced-out write is counted once, by the process that made it: as a
+  stale write (in ``stats()``, and in the database's total), or as a cancelled
+  write when its message was cancelled;
+- the stored results are exactly those of the acks and nacks that applied (the
+  latest one per message); ``get_result`` returns the value, raises the stored
+  exception, or, with nothing stored, raises ``DeadLetterError`` for a dead
+  letter (the reason in ``last_error``), ``MessageCancelled`` for a cancelled
+  message, and is missing otherwise;
 - nothing is stranded: every running row is held by the delivery the model
   calls current;
 - each row carries the unique key the model says, and a send with a held key
   returned the holder's id.
 
-Bounded for CI (``DRAMATIQ_PG_MODEL_EXAMPLES``, default 12 examples of up to 40
+Where the package falls short of these, the model expects today's behaviour in
+exactly that case ("Known hole" below), and a plain test at the end of this file
+reproduces it, marked ``xfail(strict=True)``: fix one, and remove both.
+
+Bounded for CI (``DRAMATIQ_PG_MODEL_EXAMPLES``, default 30 examples of up to 50
 steps); ``DRAMATIQ_PG_MODEL_EXAMPLES=300 python -m pytest tests/test_model.py``
-is the long run.
+is the long run (with ``DRAMATIQ_PG_MODEL_SEED`` set, drawn at random rather
+than CI's fixed examples).
 """
 
 from __future__ import annotations
 
 import os
-import uuid
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import dramatiq
 import psycopg
-from helpers import Factory, query
+import pytest
+from dramatiq.results import ResultFailure, ResultMissing, Results
+from helpers import Factory, query, wait_for
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dramatiq_pg_fenced import PostgresBroker, delivery
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.results import PostgresBackend
 
 QUEUE = "model"
+ACTOR = "work"
 FOLLOW_UPS = "model-follow-ups"
-EXAMPLES = int(os.environ.get("DRAMATIQ_PG_MODEL_EXAMPLES", "12"))
+#: Per broker: deliveries without an outcome before the rescuer dead-letters a message.
+MAX_DELIVERIES = (DEFAULT_MAX_DELIVERIES, 3, 2)
+FINISHED = ("dead", "cancelled")
+EXAMPLES = int(os.environ.get("DRAMATIQ_PG_MODEL_EXAMPLES", "30"))
+
+
+def message(queue: str = QUEUE, actor: str = ACTOR, **options: Any) -> dramatiq.Message:
+    return dramatiq.Message(queue_name=queue, actor_name=actor, args=(), kwargs={}, options=options)
+
+
+def lost_reason(lost: int, limit: int, before: str | None) -> str:
+    """The rescuer's ``last_error`` for a message dead-lettered at its *lost*-th delivery without an outcome."""
+    reason = (
+        f"dead-lettered after {lost} {'delivery' if lost == 1 else 'deliveries'} without an outcome "
+        f"(the worker crashed or lost its lease each time; max_deliveries={limit})"
+    )
+    return reason if before is None else f"{reason}\nthe error before that: {before}"
 
 
 @dataclass
 class Row:
     state: str  # queued | running | dead | cancelled
     attempt: int
-    current: PostgresMessageProxy | None = None  # the delivery that holds it, when running
+    current: PostgresMessageProxy | None = None  # the delivery that holds it: running, or cancelled while it ran
+    lease: bool = False  # cancelled while it ran, and its actor may still run (its lease kept until it ends)
     lost: int = 0  # deliveries that ended without an outcome (max_deliveries counts them)
     key: str | None = None  # its unique_key column
     until: str | None = None  # "started" or "finished" with a key
+    error: str | None = None  # its last_error column
 
 
 @dataclass
@@ -60,79 +126,77 @@ class Held:
     """A delivery some broker holds, with the broker and consumer that own it."""
 
     proxy: PostgresMessageProxy
+    which: int  # the broker's index
     broker: PostgresBroker
     consumer: Any
-    settled: bool = False
 
 
 @dataclass
 class World:
     rows: dict[str, Row] = field(default_factory=dict)  # the model: message id -> row (absent: finished)
-    follow_ups: set[str] = field(default_factory=set)  # follow-up ids that must exist
-    dropped: set[str] = field(default_factory=set)  # follow-up ids that must not
+    history: int = 0  # acked messages of QUEUE in the history table
+    follow_ups: set[str] = field(default_factory=set)  # ids in FOLLOW_UPS that must exist (and nothing else)
+    never: set[str] = field(default_factory=set)  # ids of sends that must never exist
+    #: message id -> its stored result: ("value", v) or ("failure", exception type, message)
+    results: dict[str, tuple] = field(default_factory=dict)
+    result_attempts: dict[str, int] = field(default_factory=dict)  # message id -> attempt of its stored result
+    dropped_effects: list[int] = field(default_factory=lambda: [0, 0, 0])  # per broker
+    stale: list[int] = field(default_factory=lambda: [0, 0, 0])  # per broker: fenced-out writes
+    cancelled_writes: list[int] = field(default_factory=lambda: [0, 0, 0])  # the same, of cancelled messages
+    stale_results: int = 0  # result writes of the backends fenced out (counted in the database only)
+    paused: bool = False  # is QUEUE paused?
+
+
+class _Hooked:
+    """A connection that runs *hook* once, right after *statement* (another session acting meanwhile)."""
+
+    def __init__(self, conn: psycopg.Connection, statement: bytes, hook: Callable[[], None]) -> None:
+        self._conn, self._statement, self._hook = conn, statement, hook
+
+    def execute(self, statement: Any, params: Any = None, **kwargs: Any) -> Any:
+        cursor = self._conn.execute(statement, params, **kwargs)  # its rows are fetched already
+        if statement == self._statement and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return cursor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 class FenceModel(RuleBasedStateMachine):
     factory: Factory  # set by the test
-
-    deliveries = Bundle("deliveries")
+    url: str
 
     @initialize()
     def start(self) -> None:
-        first = self.factory(lease_seconds=600, rescue_interval=3600, poll_interval=0.05)
-        others = [
-            self.factory(schema=first.schema, lease_seconds=600, rescue_interval=3600, poll_interval=0.05)
-            for _ in range(2)
-        ]
+        options = {"lease_seconds": 600, "rescue_interval": 3600, "poll_interval": 0.05}
+        first = self.factory(max_deliveries=MAX_DELIVERIES[0], **options)
+        others = [self.factory(schema=first.schema, max_deliveries=m, **options) for m in MAX_DELIVERIES[1:]]
         self.brokers = [first, *others]
+        self.backends: list[PostgresBackend] = []
+        self.results: list[Results] = []
         for broker in self.brokers:
-            broker.declare_queue(QUEUE)
+            backend = PostgresBackend(broker=broker)
+            results = Results(backend=backend, store_results=True)
+            broker.add_middleware(results)
+            self.backends.append(backend)
+            self.results.append(results)
+            dramatiq.actor(broker=broker, actor_name=ACTOR, queue_name=QUEUE)(lambda: None)
             broker.declare_queue(FOLLOW_UPS)
-        self.consumers = [b.consume(QUEUE, prefetch=1, timeout=20) for b in self.brokers]  # one claim, one row
+        # One row per claim; a claim that finds nothing returns at once (a pooled connection waited for 10 ms).
+        self.consumers = [b.consume(QUEUE, prefetch=1, timeout=1) for b in self.brokers]
+        self.outbox = psycopg.connect(self.url)  # the application's own connection (the outbox pattern)
         self.world = World()
         self.ids: list[str] = []
+        self.held: list[Held] = []  # deliveries the workers hold, not settled yet
 
-    # -- producers -------------------------------------------------------------------------
-    @rule()
-    def send(self) -> None:
-        m = dramatiq.Message(queue_name=QUEUE, actor_name="nobody", args=(), kwargs={}, options={})
-        self.brokers[0].enqueue(m)
-        self.world.rows[m.message_id] = Row("queued", 0)
-        self.ids.append(m.message_id)
-
-    @rule(pick=st.integers(min_value=0))
-    def resend(self, pick: int) -> None:
-        """The same id again: ignored while its row exists, a new incarnation once it finished."""
-        if not self.ids:
-            return
-        message_id = self.ids[pick % len(self.ids)]
-        m = dramatiq.Message(queue_name=QUEUE, actor_name="nobody", args=(), kwargs={}, options={})
-        self.brokers[1].enqueue(m.copy(message_id=message_id))
-        if message_id not in self.world.rows:
-            self.world.rows[message_id] = Row("queued", 0)
-
-    @rule(key=st.sampled_from(["k1", "k2"]), until=st.sampled_from(["started", "finished"]))
-    def send_unique(self, key: str, until: str) -> None:
-        """A send with a key: not inserted while a row holds it (queued; running if 'finished')."""
-        m = dramatiq.Message(
-            queue_name=QUEUE,
-            actor_name="nobody",
-            args=(),
-            kwargs={},
-            options={"unique_key": key, "unique_until": until},
-        )
-        holders = [
-            mid
-            for mid, row in self.world.rows.items()
-            if row.key == key and (row.state == "queued" or (row.state == "running" and row.until == "finished"))
-        ]
-        sent = self.brokers[2].enqueue(m)
-        if holders:
-            assert sent.message_id == holders[0], "a send with a held key gets the holder's id"
-            return
-        assert sent.message_id == m.message_id
-        self.world.rows[m.message_id] = Row("queued", 0, key=key, until=until)
-        self.ids.append(m.message_id)
+    # -- helpers -------------------------------------------------------------------------
+    def _pick(self, pick: int, finished: bool = False) -> str | None:
+        """A message id sent so far; with *finished*, one of a dead or cancelled message if there is one."""
+        candidates = [m for m in self.ids if (r := self.world.rows.get(m)) is not None and r.state in FINISHED]
+        pool = candidates if finished and candidates else self.ids
+        return pool[pick % len(pool)] if pool else None
 
     def _back_to_queue(self, ids: list[str]) -> None:
         """The key each of these running rows keeps as one statement moves them back (sql.py, _retake):
@@ -150,98 +214,309 @@ class FenceModel(RuleBasedStateMachine):
         for mid, key in keys.items():
             self.world.rows[mid].key = key
 
-    # -- consumers ---------------------------------------------------------------------------
-    @rule(target=deliveries, which=st.integers(min_value=0, max_value=2))
-    def claim(self, which: int) -> Any:
-        proxy = next(self.consumers[which])
-        return multiple() if proxy is None else self._claimed(which, proxy)  # nothing claimed: nothing to settle
+    def _redriven(self, ids: list[str]) -> None:
+        """Dead or cancelled rows back to the queue in one statement: each keeps its key only if no other
+        row carries it at all (as read before), keeps its attempt and its last error."""
+        keys = {
+            mid: None if any(other != mid and o.key == row.key for other, o in self.world.rows.items()) else row.key
+            for mid in ids
+            if (row := self.world.rows[mid]).key is not None
+        }
+        for mid in ids:
+            row = self.world.rows[mid]
+            row.state, row.current = "queued", None
+            row.key = keys.get(mid, row.key)
 
-    def _claimed(self, which: int, proxy: Any) -> Held:
+    def _rescued(self, ids: list[str], rescuer: int) -> None:
+        """Running rows whose lease lapsed, after the rescuer ran: back in line, or dead at its limit."""
+        self._back_to_queue(ids)
+        limit = MAX_DELIVERIES[rescuer]
+        for mid in ids:
+            row = self.world.rows[mid]
+            row.lost += 1
+            row.current = None
+            if limit is not None and row.lost >= limit:
+                row.state, row.error = "dead", lost_reason(row.lost, limit, row.error)
+            else:
+                row.state = "queued"
+
+    def _claimable(self, which: int) -> bool:
+        """May this consumer claim now, and is a message due?  (Every queued row is due: no send is delayed.)"""
+        room = self.brokers[which].parts.leases.capacity(QUEUE, 1) > 0
+        return room and not self.world.paused and any(r.state == "queued" for r in self.world.rows.values())
+
+    def _claim(self, which: int) -> Held | None:
+        consumer = self.consumers[which]
+        # From the head of the queue, at once (as after a doorbell's ring and a look back), so that which
+        # message comes next depends on the queue alone, and a replay of a failing example claims the same.
+        proxy = None
+        for _ in range(5):  # a claim that found no pooled connection in time (a busy machine) tries again
+            consumer.floor.forget()
+            consumer.wake.set()
+            proxy = next(consumer)
+            if proxy is not None or not self._claimable(which):
+                break
+        if proxy is None:
+            assert not self._claimable(which), "a due message of an unpaused queue is claimed"
+            return None
+        assert not self.world.paused, "a paused queue is never claimed"
         assert isinstance(proxy, PostgresMessageProxy)
         row = self.world.rows.get(proxy.message_id)
         assert row is not None and row.state == "queued", (proxy.message_id, row)
         assert proxy.attempt == row.attempt + 1, "attempt numbers grow by one per delivery"
         row.state, row.attempt, row.current = "running", proxy.attempt, proxy
-        return Held(proxy, self.brokers[which], self.consumers[which])
+        return Held(proxy, which, self.brokers[which], consumer)
 
-    @rule(target=deliveries, held=deliveries)
-    def redeliver_elsewhere(self, held: Held) -> Any:
+    def _follow_up(self, broker: PostgresBroker) -> str:
+        m = message(FOLLOW_UPS, "next")
+        broker.enqueue(m)
+        return m.message_id
+
+    def _outbox_send(self, broker: PostgresBroker, queue: str, commit: bool) -> str:
+        """``with broker.transaction(conn): send``, then the application commits or rolls back."""
+        m = message(queue, ACTOR if queue == QUEUE else "next")
+        with broker.transaction(self.outbox):
+            broker.enqueue(m)
+        self.outbox.commit() if commit else self.outbox.rollback()
+        return m.message_id
+
+    @contextmanager
+    def _between(self, broker: PostgresBroker, statement: bytes, hook: Callable[[], None]) -> Iterator[None]:
+        """Inside the block, *hook* runs once right after *statement*, in the middle of *broker*'s transaction."""
+        database = broker.database
+        real = database.run
+
+        def run(work: Callable[[Any], Any], **kwargs: Any) -> Any:
+            return real(lambda conn: work(_Hooked(conn, statement, hook)), **kwargs)
+
+        database.run = run  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del database.run
+
+    # -- producers -------------------------------------------------------------------------
+    @rule(n=st.integers(1, 3), store=st.booleans())
+    def send(self, n: int, store: bool) -> None:
+        for _ in range(n):
+            m = message() if store else message(store_results=False)
+            self.brokers[0].enqueue(m)
+            self.world.rows[m.message_id] = Row("queued", 0)
+            self.ids.append(m.message_id)
+
+    @rule(pick=st.integers(min_value=0))
+    def resend(self, pick: int) -> None:
+        """The same id again: ignored while its row exists, a new incarnation once it finished."""
+        message_id = self._pick(pick)
+        if message_id is None:
+            return
+        self.brokers[1].enqueue(message().copy(message_id=message_id))
+        if message_id not in self.world.rows:
+            self.world.rows[message_id] = Row("queued", 0)
+
+    @rule(key=st.sampled_from(["k1", "k2"]), until=st.sampled_from(["started", "finished"]))
+    def send_unique(self, key: str, until: str) -> None:
+        """A send with a key: not inserted while a row holds it (queued; running if 'finished')."""
+        m = message(unique_key=key, unique_until=until)
+        holders = [
+            mid
+            for mid, row in self.world.rows.items()
+            if row.key == key and (row.state == "queued" or (row.state == "running" and row.until == "finished"))
+        ]
+        sent = self.brokers[2].enqueue(m)
+        if holders:
+            assert sent.message_id == holders[0], "a send with a held key gets the holder's id"
+            return
+        assert sent.message_id == m.message_id
+        self.world.rows[m.message_id] = Row("queued", 0, key=key, until=until)
+        self.ids.append(m.message_id)
+
+    @rule(which=st.integers(min_value=0, max_value=2), commit=st.booleans())
+    def outbox_send(self, which: int, commit: bool) -> None:
+        """A send in the application's transaction: it exists exactly when that transaction commits."""
+        message_id = self._outbox_send(self.brokers[which], QUEUE, commit)
+        if commit:
+            self.world.rows[message_id] = Row("queued", 0)
+            self.ids.append(message_id)
+        else:
+            self.world.never.add(message_id)
+
+    # -- consumers ---------------------------------------------------------------------------
+    # Deliveries held by the workers wait in self.held until a rule settles them.  A rule that settles
+    # one takes a held delivery (pick), or, when none is held, the next message its consumer claims.
+    def _take(self, pick: int, which: int, keep: bool = False) -> Held | None:
+        if self.held:
+            return self.held[pick % len(self.held)] if keep else self.held.pop(pick % len(self.held))
+        held = self._claim(which)
+        if held is not None and keep:
+            self.held.append(held)
+        return held
+
+    @rule(which=st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=3))
+    def claim(self, which: list[int]) -> None:
+        """Consumers claim, one after the other."""
+        self.held += [held for w in which if (held := self._claim(w)) is not None]
+
+    @rule(pick=st.integers(min_value=0), which=st.integers(min_value=0, max_value=2), rescuer=st.integers(0, 2))
+    def redeliver_elsewhere(self, pick: int, which: int, rescuer: int) -> None:
         """Its holder stalls past the lease: the row is rescued and claimed by another process at once,
         while the stale delivery is still held (and may settle later)."""
-        row = self.world.rows.get(held.proxy.message_id)
-        if held.settled or row is None or row.current is not held.proxy:
-            return multiple()
+        held = self._take(pick, which, keep=True)
+        row = None if held is None else self.world.rows.get(held.proxy.message_id)
+        if held is None or row is None or row.state != "running" or row.current is not held.proxy:
+            return
         query(
             self.brokers[0],
             "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE message_id = %s",
             [held.proxy.message_id],
         )
-        self._back_to_queue([held.proxy.message_id])
-        self.brokers[2].parts.maintenance.rescue()
-        row.lost += 1
-        row.state = "dead" if row.lost >= DEFAULT_MAX_DELIVERIES else "queued"
-        row.current = None
-        for which, consumer in enumerate(self.consumers):
-            if self.brokers[which] is not held.broker and (proxy := next(consumer)) is not None:
-                return self._claimed(which, proxy)
-        return multiple()
+        self.brokers[rescuer].parts.maintenance.rescue()
+        self._rescued([held.proxy.message_id], rescuer)
+        for other in range(len(self.brokers)):
+            if other != held.which and (claimed := self._claim(other)) is not None:
+                self.held.append(claimed)
+                return
 
-    def _settle(self, held: Any, kind: str) -> None:
-        if held.settled:
-            return
-        held.settled = True
-        proxy, broker = held.proxy, held.broker
+    def _deliver(
+        self, held: Held, kind: str, tied: int = 0, outbox: str | None = None, follow_up: bool = False
+    ) -> bool:
+        """Run *held* as a worker thread runs it, ending in *kind*: ack, nack, retry (Dramatiq's Retries,
+        after the actor) or retry_at_once (the actor re-enqueues its own message, then returns).  The
+        actor body sends *tied* messages inside ``with_ack()`` and, with *outbox*, one in an application
+        transaction nested in it ("commit" or "rollback"); with *follow_up* a middleware sends one after
+        the actor (the next pipeline step, a callback).  Returns whether its outcome applied."""
+        proxy, broker, which = held.proxy, held.broker, held.which
         row = self.world.rows.get(proxy.message_id)
         current = row is not None and row.state == "running" and row.current is proxy
-        follow_up = str(uuid.uuid4())
-        if kind == "ack":
-            delivery.start(proxy)  # as the middleware's after_process_message does
-            delivery.defer_effects()
-            broker.enqueue(
-                dramatiq.Message(queue_name=FOLLOW_UPS, actor_name="next", args=(), kwargs={}, options={}).copy(
-                    message_id=follow_up
-                )
-            )
-            held.consumer.ack(proxy)
+        value, failure = f"result of {proxy.delivery}", ValueError(f"failure of delivery {proxy.delivery}")
+        store = proxy.options.get("store_results", True)  # the Results middleware's store_results=True
+        returned = kind in ("ack", "retry_at_once")  # else the actor raised
+        results = self.results[which]
+
+        delivery.start(proxy)  # FencedDelivery.before_process_message: the actor starts on this thread
+        # -- the actor body
+        with broker.with_ack():
+            if tied == 2:
+                ack_sends = [m.message_id for m in broker.enqueue_many([message(FOLLOW_UPS, "next") for _ in "ab"])]
+            else:
+                ack_sends = [self._follow_up(broker) for _ in range(tied)]
+            outboxed = None if outbox is None else self._outbox_send(broker, FOLLOW_UPS, outbox == "commit")
+        if kind == "retry_at_once":
+            broker.enqueue(proxy, delay=0)  # its outcome, handed over at once
+            # ... and written before its result is (written at once, fenced).  Known hole: written after,
+            # the result lands (test_the_result_of_a_delivery_its_actor_retried_is_never_stored).
+            assert broker.flush_outcomes(10)
+        if not returned:
+            proxy.stuff_exception(failure)
+        # -- Dramatiq's after_process_message hooks (FencedDelivery's first), then its ack or nack
+        delivery.defer_effects()
+        results.after_process_message(broker, proxy, **({"result": value} if returned else {"exception": failure}))
+        sends = [self._follow_up(broker)] if follow_up else []
+        if kind == "retry":
+            broker.enqueue(proxy, delay=0)  # Dramatiq's Retries: back to the queue
         elif kind == "nack":
+            proxy.fail()  # Dramatiq's Retries: no retry left
+        if proxy.failed:
             held.consumer.nack(proxy)
+            results.after_nack(broker, proxy)
         else:
-            broker.enqueue(proxy, delay=0)  # Dramatiq's Retries, outside the deferred phase: at once
+            held.consumer.ack(proxy)
+        assert delivery.running() is None, "after its outcome, this thread's sends are its own again"
         assert broker.flush_outcomes(10)
+
+        # -- what the model expects
+        if outboxed is not None:  # the innermost transaction decides, whatever the delivery's outcome
+            (self.world.follow_ups if outbox == "commit" else self.world.never).add(outboxed)
+        self.world.never.update(ack_sends, sends)  # until the outcome applied, below
+        if kind == "retry_at_once":
+            # Its retry went before the rest of what it causes: none of that is sent.  Known hole: nor
+            # counted (test_what_a_delivery_causes_after_its_actor_retried_it_is_counted_as_dropped).
+            if store and not (row is not None and row.state == "cancelled"):
+                self.world.stale_results += 1  # its result, written at once, fenced out
+        elif kind != "ack":
+            self.world.dropped_effects[which] += len(ack_sends)  # with_ack(): not sent without an ack
         if not current:
-            if kind == "ack":
-                self.world.dropped.add(follow_up)
-            return
+            self._fenced_out(which, proxy)
+            if kind != "retry_at_once":
+                stored = store and kind in ("ack", "nack")  # its result, or the exception that rides its nack
+                self.world.dropped_effects[which] += len(sends) + (len(ack_sends) if kind == "ack" else 0) + stored
+            return False
         assert row is not None
         if kind == "ack":
+            self.world.never.difference_update(ack_sends, sends)
+            self.world.follow_ups.update(ack_sends, sends)
             del self.world.rows[proxy.message_id]
-            self.world.follow_ups.add(follow_up)
+            self.world.history += 1
+            if store:
+                self._stored(proxy, ("value", value))
         elif kind == "nack":
-            row.state, row.current = "dead", None
+            self.world.never.difference_update(sends)
+            self.world.follow_ups.update(sends)
+            row.state, row.current, row.error = "dead", None, repr(failure)
+            if store:
+                self._stored(proxy, ("failure", "ValueError", str(failure)))
         else:
+            if kind == "retry":
+                self.world.never.difference_update(sends)
+                self.world.follow_ups.update(sends)
             self._back_to_queue([proxy.message_id])
             row.state, row.current = "queued", None
+            row.error = repr(failure) if kind == "retry" else None  # an actor's own retry carries no error
+        return True
 
-    @rule(held=consumes(deliveries))
-    def ack(self, held: Any) -> None:
-        self._settle(held, "ack")
+    def _fenced_out(self, which: int, proxy: PostgresMessageProxy) -> None:
+        """A write of this broker's delivery did not apply: counted as stale, or, its message cancelled, as
+        dropped; a delivery cancelled while it ran ends with it (its row no longer says it still runs)."""
+        row = self.world.rows.get(proxy.message_id)
+        if row is not None and row.state == "cancelled":
+            self.world.cancelled_writes[which] += 1
+            if row.current is proxy:
+                row.current, row.lease = None, False
+        else:
+            self.world.stale[which] += 1
 
-    @rule(held=consumes(deliveries))
-    def nack(self, held: Any) -> None:
-        self._settle(held, "nack")
+    def _stored(self, proxy: PostgresMessageProxy, result: tuple) -> None:
+        """The result (or exception) of a delivery whose outcome applied: the message's result from now on."""
+        before = self.world.result_attempts.get(proxy.message_id)
+        if before is not None and before > proxy.attempt:
+            # Known hole: not over an earlier incarnation's, stored by a higher attempt
+            # (test_the_result_of_a_message_sent_again_under_its_id_replaces_the_earlier_ones).
+            return
+        self.world.results[proxy.message_id] = result
+        self.world.result_attempts[proxy.message_id] = proxy.attempt
 
-    @rule(held=consumes(deliveries))
-    def retry(self, held: Any) -> None:
-        self._settle(held, "retry")
+    PICK = st.integers(min_value=0)
+    WHICH = st.integers(min_value=0, max_value=2)
 
-    @rule(held=deliveries)
-    def ack_at_broken_commit(self, held: Any) -> None:
+    @rule(pick=PICK, which=WHICH, tied=st.integers(0, 2), outbox=st.sampled_from([None, "commit", "rollback"]),
+          follow_up=st.booleans())  # fmt: skip
+    def ack(self, pick: int, which: int, tied: int, outbox: str | None, follow_up: bool) -> None:
+        if (held := self._take(pick, which)) is not None:
+            self._deliver(held, "ack", tied, outbox, follow_up)
+
+    @rule(pick=PICK, which=WHICH, tied=st.integers(0, 2), follow_up=st.booleans())
+    def nack(self, pick: int, which: int, tied: int, follow_up: bool) -> None:
+        if (held := self._take(pick, which)) is not None:
+            self._deliver(held, "nack", tied, follow_up=follow_up)
+
+    @rule(pick=PICK, which=WHICH, tied=st.integers(0, 2), follow_up=st.booleans())
+    def retry(self, pick: int, which: int, tied: int, follow_up: bool) -> None:
+        if (held := self._take(pick, which)) is not None:
+            self._deliver(held, "retry", tied, follow_up=follow_up)
+
+    @rule(pick=PICK, which=WHICH, tied=st.integers(0, 1))
+    def retry_at_once(self, pick: int, which: int, tied: int) -> None:
+        if (held := self._take(pick, which)) is not None:
+            self._deliver(held, "retry_at_once", tied)
+
+    @rule(pick=PICK, which=WHICH, tied=st.integers(0, 1))
+    def ack_at_broken_commit(self, pick: int, which: int, tied: int) -> None:
         """The ack's commit may or may not have happened when the connection broke: either way the
         writer tries again, and the outcome is the same as one clean ack."""
-        if held.settled:
+        held = self._take(pick, which)
+        if held is None:
             return
-        broker = held.broker
-        writer = broker.parts.writer
+        writer = held.broker.parts.writer
         real = writer.write
         calls = 0
 
@@ -254,40 +529,196 @@ class FenceModel(RuleBasedStateMachine):
 
         writer.write = break_after_commit  # type: ignore[method-assign]
         try:
-            self._settle(held, "ack")
+            applied = self._deliver(held, "ack", tied, follow_up=True)
         finally:
             del writer.write
+        if calls > 1:
+            # Known hole: the second write finds the outcome applied (or fenced out again) and counts all it
+            # causes as dropped, and a fenced-out one as stale again unless its row is gone
+            # (test_an_outcome_written_again_after_its_commit_broke_is_counted_once).
+            self.world.dropped_effects[held.which] += 1 + tied + held.proxy.options.get("store_results", True)
+            if not applied and held.proxy.message_id in self.world.rows:
+                self._fenced_out(held.which, held.proxy)
 
-    # -- faults and operators --------------------------------------------------------------------
-    @rule()
-    def expire_and_rescue(self) -> None:
-        """Every lease lapses (the holders paused): rows go back to the queue, their deliveries go stale."""
+    @rule(pick=PICK, which=WHICH)
+    def release_at_shutdown(self, pick: int, which: int) -> None:
+        """The worker stops before this delivery started: it goes back now, fenced, at its attempt."""
+        held = self._take(pick, which)
+        if held is None:
+            return
+        row = self.world.rows.get(held.proxy.message_id)
+        held.consumer.requeue([held.proxy])
+        if row is not None and row.state == "running" and row.current is held.proxy:
+            self._back_to_queue([held.proxy.message_id])
+            row.state, row.current = "queued", None
+        else:
+            self._fenced_out(held.which, held.proxy)
+
+    # -- faults ----------------------------------------------------------------------------------
+    @rule(rescuer=st.integers(min_value=0, max_value=2))
+    def expire_and_rescue(self, rescuer: int) -> None:
+        """Every lease lapses (the holders paused): rows go back to the queue, or are dead-lettered at the
+        rescuer's max_deliveries; their deliveries go stale.  A cancelled one no longer says it runs."""
         query(
             self.brokers[0],
-            "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE state = 'running'",
+            "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s'"
+            " WHERE state IN ('running', 'cancelled') AND lease_expires_at IS NOT NULL",
         )
-        self._back_to_queue([mid for mid, row in self.world.rows.items() if row.state == "running"])
-        self.brokers[2].parts.maintenance.rescue()
+        self.brokers[rescuer].parts.maintenance.rescue()
+        self._rescued([mid for mid, row in self.world.rows.items() if row.state == "running"], rescuer)
         for row in self.world.rows.values():
-            if row.state == "running":
-                row.lost += 1
-                row.state = "dead" if row.lost >= DEFAULT_MAX_DELIVERIES else "queued"
-                row.current = None
+            row.lease = False
 
-    @rule(pick=st.integers(min_value=0))
-    def cancel(self, pick: int) -> None:
-        if not self.ids:
-            return
-        message_id = self.ids[pick % len(self.ids)]
-        outcome = self.brokers[1].cancel(message_id).value
+    # -- operators ---------------------------------------------------------------------------------
+    def _cancel(self, broker: PostgresBroker, message_id: str) -> bool:
+        outcome = broker.cancel(message_id).value
         row = self.world.rows.get(message_id)
         if row is None:
             assert outcome == "not_found"
         elif row.state in ("queued", "running"):
             assert outcome == f"cancelled_{row.state}"
-            row.state, row.current = "cancelled", None
+            row.lease = row.state == "running"  # its actor may still run: the lease stays until it ends
+            row.state = "cancelled"
+            return True
         else:
             assert outcome == ("already_cancelled" if row.state == "cancelled" else "already_dead")
+        return False
+
+    @rule(pick=st.integers(min_value=0))
+    def cancel(self, pick: int) -> None:
+        message_id = self._pick(pick)
+        if message_id is not None:
+            self._cancel(self.brokers[1], message_id)
+
+    def _redrivable(self, message_id: str) -> bool:
+        """Dead, or cancelled and not still running (its actor's delivery ended)."""
+        row = self.world.rows.get(message_id)
+        return row is not None and row.state in FINISHED and not row.lease
+
+    def _redrive(self, broker: PostgresBroker, message_id: str) -> bool:
+        back = broker.redrive(message_id)
+        assert back == self._redrivable(message_id), (message_id, self.world.rows.get(message_id))
+        if back:
+            self._redriven([message_id])
+        return back
+
+    @rule(pick=st.integers(min_value=0), finished=st.booleans())
+    def redrive(self, pick: int, finished: bool) -> None:
+        """A dead or cancelled message goes back to the queue; any other is left alone, and so is a cancelled
+        one whose actor still runs."""
+        message_id = self._pick(pick, finished)
+        if message_id is not None:
+            self._redrive(self.brokers[2], message_id)
+
+    @rule(states=st.sampled_from([("dead",), ("cancelled",), ("dead", "cancelled")]))
+    def redrive_queue(self, states: tuple[str, ...]) -> None:
+        done = self.brokers[0].redrive_queue(QUEUE, states)
+        expected: list[str] = []
+        running = [mid for mid, row in self.world.rows.items() if row.state in states and row.lease]
+        for state in states:  # one statement per state
+            batch = [mid for mid, row in self.world.rows.items() if row.state == state and not row.lease]
+            self._redriven(batch)
+            expected += batch
+        assert sorted(done.redriven) == sorted(expected), (done, expected)
+        assert sorted(done.skipped) == sorted(running), "skipped: the cancelled ones whose actor still runs"
+
+    def _purge(self, broker: PostgresBroker, states: tuple[str, ...]) -> set[str]:
+        deleted = broker.purge_queue(QUEUE, states)
+        gone = {mid for mid, row in self.world.rows.items() if row.state in states and not row.lease}
+        expected = {s: sum(self.world.rows[mid].state == s for mid in gone) for s in states}
+        if "done" in states:
+            expected["done"], self.world.history = self.world.history, 0
+        assert deleted == expected, "a purge deletes exactly its states' rows, none running or still running"
+        for mid in gone:
+            del self.world.rows[mid]
+        return gone
+
+    @rule(states=st.sets(st.sampled_from(["queued", "dead", "cancelled", "done"]), min_size=1))
+    def purge(self, states: set[str]) -> None:
+        self._purge(self.brokers[1], tuple(sorted(states)))
+
+    @precondition(lambda self: not self.world.paused)
+    @rule(which=st.integers(min_value=0, max_value=2))
+    def pause(self, which: int) -> None:
+        assert self.brokers[which].pause(QUEUE) == (not self.world.paused)
+        self.world.paused = True
+
+    @precondition(lambda self: self.world.paused)
+    @rule(which=st.integers(min_value=0, max_value=2))
+    def resume(self, which: int) -> None:
+        assert self.brokers[which].resume(QUEUE) == self.world.paused
+        self.world.paused = False
+
+    RACERS = ("redrive", "cancel", "purge", "resend", "claim_and_nack")
+
+    def _meanwhile(self, action: str, message_id: str) -> bool:
+        """Another operator or worker acts on *message_id*'s queue; returns whether its row changed."""
+        other = self.brokers[1]
+        if action == "redrive":
+            return self._redrive(other, message_id)
+        if action == "cancel":
+            return self._cancel(other, message_id)
+        if action == "purge":
+            return message_id in self._purge(other, FINISHED)
+        if action == "resend":
+            other.enqueue(message().copy(message_id=message_id))
+            if message_id in self.world.rows:
+                return False
+            self.world.rows[message_id] = Row("queued", 0)
+            return True
+        for which in (1, 2):  # claim_and_nack: whatever message comes next runs and fails
+            if (held := self._claim(which)) is not None:
+                self._deliver(held, "nack")
+                return held.proxy.message_id == message_id
+        return False
+
+    @rule(pick=st.integers(min_value=0), meanwhile=st.lists(st.sampled_from(RACERS), min_size=1, max_size=4))
+    def redrive_racing(self, pick: int, meanwhile: list[str]) -> None:
+        """A re-drive reads the row; before it writes, other operators and workers act: it applies only
+        if the row did not move on meanwhile (it must never resurrect a message that did).  The message
+        is a dead or cancelled one (a queued one is cancelled first)."""
+        message_id = self._pick(pick, finished=True)
+        if message_id is None:
+            return
+        row = self.world.rows.get(message_id)
+        if row is not None and row.state == "queued":
+            self._cancel(self.brokers[1], message_id)
+        read = self._redrivable(message_id)
+        moved = False
+
+        def others() -> None:
+            nonlocal moved
+            for action in meanwhile:
+                moved |= self._meanwhile(action, message_id)
+
+        broker = self.brokers[0]
+        with self._between(broker, broker.statements.redrive_read, others):
+            back = broker.redrive(message_id)
+        assert back == (read and not moved), (message_id, read, meanwhile)
+        if back:
+            self._redriven([message_id])
+
+    # -- readers ---------------------------------------------------------------------------------
+    @rule(which=st.integers(min_value=0, max_value=2))
+    def read_results(self, which: int) -> None:
+        """Every message's result, as ``get_result`` gives it (through any process's backend)."""
+        for message_id in self.ids:
+            try:
+                got: tuple = ("value", self.backends[which].get_result(message().copy(message_id=message_id)))
+            except ResultMissing:
+                got = ("missing",)
+            except ResultFailure as e:
+                got = ("failure", e.orig_exc_type, e.orig_exc_msg)
+            row = self.world.rows.get(message_id)
+            if message_id in self.world.results:
+                expected = self.world.results[message_id]
+            elif row is not None and row.state == "dead":  # the reason, the rescuer's included
+                expected = ("failure", "DeadLetterError", f"message {message_id} was dead-lettered: {row.error}")
+            elif row is not None and row.state == "cancelled":
+                expected = ("failure", "MessageCancelled", f"message {message_id} was cancelled")
+            else:
+                expected = ("missing",)
+            assert got == expected, message_id
 
     # -- checks after every step ----------------------------------------------------------------
     @invariant()
@@ -295,15 +726,32 @@ class FenceModel(RuleBasedStateMachine):
         if not hasattr(self, "world"):
             return
         found = {
-            str(mid): (state, attempt, key)
-            for mid, state, attempt, key in query(
+            str(mid): [state, attempt, key, lost, error, lease, str(token) if state == "running" or lease else None]
+            for mid, state, attempt, key, lost, error, lease, token in query(
                 self.brokers[0],
-                "SELECT message_id, state, attempt, unique_key FROM {schema}.message WHERE queue_name = %s",
+                "SELECT message_id, state, attempt, unique_key, lost_deliveries, last_error,"
+                " coalesce(state = 'cancelled' AND lease_expires_at > now(), false), delivery"
+                " FROM {schema}.message WHERE queue_name = %s",
                 [QUEUE],
             )
         }
-        expected = {mid: (row.state, row.attempt, row.key) for mid, row in self.world.rows.items()}
+        expected = {
+            mid: [
+                row.state,
+                row.attempt,
+                row.key,
+                row.lost,
+                row.error,
+                row.lease,
+                row.current.delivery if row.state == "running" or row.lease else None,  # type: ignore[union-attr]
+            ]
+            for mid, row in self.world.rows.items()
+        }
         assert found == expected
+        running = {mid for mid, row in self.world.rows.items() if row.state == "running" or row.lease}
+        assert running <= {h.proxy.message_id for h in self.held}, "every running message is held by a worker"
+        history = query(self.brokers[0], "SELECT count(*) FROM {schema}.history WHERE queue_name = %s", [QUEUE])
+        assert history == [(self.world.history,)]
 
     @invariant()
     def effects_only_from_applied_deliveries(self) -> None:
@@ -315,27 +763,214 @@ class FenceModel(RuleBasedStateMachine):
                 self.brokers[0], "SELECT message_id FROM {schema}.message WHERE queue_name = %s", [FOLLOW_UPS]
             )
         }
-        assert self.world.follow_ups <= present, "a follow-up of an applied ack is missing"
-        assert not (self.world.dropped & present), "a fenced-out delivery caused a follow-up"
+        assert present == self.world.follow_ups, "follow-ups exist exactly for the outcomes that applied"
+        stored = {str(mid) for (mid,) in query(self.brokers[0], "SELECT message_id FROM {schema}.message")}
+        assert not (stored & self.world.never), "a dropped send, or one rolled back, exists"
+        stats = [b.stats() for b in self.brokers]
+        counted = {
+            name: [s["process"][name] for s in stats]
+            for name in ("dropped_effects", "stale_writes", "cancelled_writes")
+        }
+        expected = {
+            "dropped_effects": self.world.dropped_effects,
+            "stale_writes": self.world.stale,
+            "cancelled_writes": self.world.cancelled_writes,
+        }
+        assert counted == expected, "each dropped effect and fenced-out write is counted, by its process"
+        in_database = sum(self.world.stale) + self.world.stale_results
+        assert stats[0]["totals"].get("stale_writes", 0) == in_database, "and stale writes in the database"
+
+    @invariant()
+    def results_of_applied_outcomes_only(self) -> None:
+        if not hasattr(self, "world"):
+            return
+        found = {}
+        for mid, data in query(self.brokers[0], "SELECT message_id, data FROM {schema}.result"):
+            try:
+                found[mid] = ("value", self.backends[0].unwrap_result(self.backends[0].encoder.decode(bytes(data))))
+            except ResultFailure as e:
+                found[mid] = ("failure", e.orig_exc_type, e.orig_exc_msg)
+        assert found == self.world.results, (found, self.world.results)
 
     def teardown(self) -> None:
         for broker in getattr(self, "brokers", []):
             broker.close()
+        if hasattr(self, "outbox"):
+            self.outbox.close()
         delivery.start(None)
 
 
-def test_the_fence_against_a_reference_model(dramatiq_pg_broker_factory: Factory) -> None:
+@pytest.mark.timeout(600 + 2 * EXAMPLES)  # room to shrink a failing example (Hypothesis stops after 5 minutes)
+def test_the_fence_against_a_reference_model(dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
     FenceModel.factory = staticmethod(dramatiq_pg_broker_factory)  # type: ignore[assignment]
+    FenceModel.url = dramatiq_pg_url
     run_state_machine_as_test(
         FenceModel,
         settings=settings(
             max_examples=EXAMPLES,
-            stateful_step_count=40,
+            stateful_step_count=50,
             deadline=None,
             suppress_health_check=list(HealthCheck),
             derandomize=os.environ.get("DRAMATIQ_PG_MODEL_SEED") is None,
             database=None,
         ),
     )
+
+
+def test_a_redrive_never_resurrects_a_message_that_moved_on_and_came_back(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given a cancelled message whose re-drive by operator A is read, then, before A writes, re-driven by
+    operator B and cancelled again by C, I expect A's re-drive to leave it cancelled (README: "a message
+    claimed, re-driven or purged meanwhile is left alone").  The model's redrive_racing found it re-driven
+    when the fence was the state and attempt read (fixed by a4c7ea7: the row version)."""
+    a = dramatiq_pg_broker_factory()
+    b = dramatiq_pg_broker_factory(schema=a.schema)
+    a.declare_queue(QUEUE)
+    sent = a.enqueue(message())
+    assert a.cancel(sent.message_id).value == "cancelled_queued"
+
+    def meanwhile() -> None:
+        assert b.redrive(sent.message_id)
+        assert b.cancel(sent.message_id).value == "cancelled_queued"
+
+    run = a.database.run
+    a.database.run = lambda work, **kw: run(  # type: ignore[method-assign]
+        lambda conn: work(_Hooked(conn, a.statements.redrive_read, meanwhile)), **kw
+    )
+    assert not a.redrive(sent.message_id)
+    assert a.inspect(sent.message_id)["state"] == "cancelled"
+
+
+# -- known holes: found by the model, reduced to plain tests ----------------------------------------------
+# The model expects today's behaviour in exactly these cases (each marked "Known hole" above), so that it
+# goes on checking everything else.  Fixing one turns its test here into an XPASS (strict: a failure):
+# then remove the mark and the model's carve-out together.
+
+
+def _one_delivery(factory: Factory, **options: Any) -> tuple[PostgresBroker, PostgresBackend, Results, Any, Any]:
+    """A broker with our results backend (store_results), the actor "work", one message sent and claimed:
+    (broker, backend, results middleware, consumer, delivery)."""
+    broker = factory(**options)
+    backend = PostgresBackend(broker=broker)
+    results = Results(backend=backend, store_results=True)
+    broker.add_middleware(results)
+    dramatiq.actor(broker=broker, actor_name=ACTOR, queue_name=QUEUE)(lambda: None)
+    broker.declare_queue(FOLLOW_UPS)
+    broker.enqueue(message())
+    consumer = broker.consume(QUEUE, prefetch=1, timeout=1000)
+    proxy = wait_for(lambda: next(consumer), 10, "the delivery")
+    return broker, backend, results, consumer, proxy
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="OutcomeWriter.write counts the effects of every outcome it does not find applied, also those of "
+    "an outcome its previous try committed before the connection broke (the stale count exempts those, "
+    "through _retried and left_by; stale.drop_effects does not), and a fenced-out outcome written again "
+    "is counted as stale twice unless its row is gone",
+)
+def test_an_outcome_written_again_after_its_commit_broke_is_counted_once(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given an ack with a follow-up message whose commit happens but whose connection breaks before the
+    reply, I expect the writer to write it again, the follow-up sent once, and nothing counted as dropped."""
+    broker, _, _, consumer, proxy = _one_delivery(dramatiq_pg_broker_factory)
+    writer = broker.parts.writer
+    real, calls = writer.write, []
+
+    def break_after_commit(batch: list[Any]) -> None:
+        calls.append(batch)
+        real(batch)
+        if len(calls) == 1:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    writer.write = break_after_commit  # type: ignore[method-assign]
+    delivery.start(proxy)
+    delivery.defer_effects()  # after the actor: the next pipeline step rides the ack
+    follow_up = broker.enqueue(message(FOLLOW_UPS, "next"))
+    consumer.ack(proxy)
+    assert broker.flush_outcomes(10)
+    del writer.write
+    assert len(calls) == 2  # written again
+    assert broker.inspect(proxy.message_id)["state"] == "done"
+    assert broker.inspect(follow_up.message_id) is not None  # its follow-up: sent, once
+    assert broker.stats()["process"]["dropped_effects"] == 0  # 1: counted as dropped too
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an actor's own retry (broker.enqueue of its delivery, outside the middleware's hooks) hands the "
+    "outcome over at once (PostgresBroker._retry); Dramatiq's ack after it returns finds the delivery settled "
+    "(PostgresConsumer._settle) and drops its with_ack() sends and the middleware's follow-ups uncounted",
+)
+def test_what_a_delivery_causes_after_its_actor_retried_it_is_counted_as_dropped(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given an actor that sends a message inside with_ack(), re-enqueues its own message and returns, with a
+    middleware sending a follow-up after it, I expect neither sent (no ack applied) and both counted."""
+    broker, _, _, consumer, proxy = _one_delivery(dramatiq_pg_broker_factory)
+    delivery.start(proxy)
+    with broker.with_ack():
+        tied = broker.enqueue(message(FOLLOW_UPS, "next"))
+    broker.enqueue(proxy, delay=0)  # e.g. broker.enqueue(CurrentMessage.get_current_message())
+    delivery.defer_effects()
+    follow_up = broker.enqueue(message(FOLLOW_UPS, "next"))  # an on_success callback, the next pipeline step
+    consumer.ack(proxy)
+    assert broker.flush_outcomes(10)
+    assert broker.inspect(proxy.message_id)["state"] == "queued"  # the retry applied
+    assert broker.inspect(tied.message_id) is None and broker.inspect(follow_up.message_id) is None
+    assert broker.stats()["process"]["dropped_effects"] == 2  # 0: dropped without a count
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an actor's own retry is handed to the outcome writer; the result Dramatiq stores when the actor "
+    "returns is written at once (the delivery is settled: PostgresBackend.store_result -> _store_now), fenced "
+    "on the row still running under its token, which holds until the writer commits the retry",
+)
+def test_the_result_of_a_delivery_its_actor_retried_is_never_stored(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given an actor that re-enqueues its own message and returns 42 while the outcome writer is a moment
+    behind, I expect no result: the message is queued to run again (with the writer quick, there is none)."""
+    broker, backend, results, consumer, proxy = _one_delivery(dramatiq_pg_broker_factory)
+    writer = broker.parts.writer
+    real, go = writer.write, threading.Event()
+    writer.write = lambda batch: (go.wait(10), real(batch))[1]  # type: ignore[method-assign]
+    delivery.start(proxy)
+    broker.enqueue(proxy, delay=0)
+    delivery.defer_effects()
+    results.after_process_message(broker, proxy, result=42)
+    consumer.ack(proxy)
+    go.set()
+    assert broker.flush_outcomes(10)
+    del writer.write
+    assert broker.inspect(proxy.message_id)["state"] == "queued"
+    with pytest.raises(ResultMissing):
+        backend.get_result(proxy.message)  # 42
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the result upsert keeps a stored result unless the new one's attempt is at least its attempt "
+    "(sql.py, _RESULT_UPSERT), but attempt numbers start again at 1 for an id sent again after its ack: "
+    "the new incarnation's result, of an ack that applied, is dropped without a word",
+)
+def test_the_result_of_a_message_sent_again_under_its_id_replaces_the_earlier_ones(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given a message acked at its second attempt with a result, then sent again under its id and acked
+    at the first attempt of that incarnation, I expect get_result to return the newer result."""
+    broker, backend, results, consumer, first = _one_delivery(dramatiq_pg_broker_factory)
+    broker.enqueue(first, delay=0)  # retried: its next delivery is attempt 2
+    assert broker.flush_outcomes(10)
+    second = wait_for(lambda: next(consumer), 10, "the second delivery")
+    results.after_process_message(broker, second, result="first incarnation")
+    consumer.ack(second)
+    assert broker.flush_outcomes(10)
+    assert backend.get_result(second.message) == "first incarnation"
+    broker.enqueue(message().copy(message_id=first.message_id))  # the same id again: a new message
+    again = wait_for(lambda: next(consumer), 10, "the new incarnation's delivery")
+    assert (second.attempt, again.attempt) == (2, 1)
+    results.after_process_message(broker, again, result="second incarnation")
+    consumer.ack(again)
+    assert broker.flush_outcomes(10)
+    assert broker.inspect(again.message_id)["history"][0]["attempt"] == 1  # its ack applied
+    assert backend.get_result(again.message) == "second incarnation"  # "first incarnation"
