@@ -95,7 +95,7 @@ class Fence:
                 conn.execute(stmts.notify, [settings.channel, look_back(sorted({r[1] for r in rows}), ring=False)])
             methods.enqueuer.write(conn, rows)
         ack = stmts.fenced_ack_keep if settings.keep_finished > 0 else stmts.fenced_ack
-        params = {"ids": [m.message_id], "deliveries": [m.delivery], "writer": methods.parts.writer.writer}
+        params = {"ids": [m.message_id], "deliveries": [m.delivery]}
         try:
             if not commit:
                 conn.execute(ack, params)

@@ -381,7 +381,7 @@ class OutcomeWriter:
             if committed := [o for o in by_kind[Write.ACK] if o.committed]:
                 # Acked by their fenced transaction: their effects apply if their committed row is here.
                 done = {"ids": [o.message_id for o in committed], "deliveries": [o.delivery for o in committed]}
-                rows = conn.execute(stmts.committed_done, done).fetchall()
+                rows = conn.execute(stmts.committed_done, {**done, "writer": self.writer}).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
             if acks := [o for o in by_kind[Write.ACK] if not o.committed]:
                 ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
@@ -459,7 +459,7 @@ class OutcomeWriter:
         statement = stmts.committed_done if self.settings.durable_outcomes else stmts.committed_done_relaxed
         params = {"ids": [o.message_id for o in outcomes], "deliveries": [o.delivery for o in outcomes]}
         with self.database.connection(raw=True) as conn:
-            conn.execute(statement, params)
+            conn.execute(statement, {**params, "writer": self.writer})
 
     def _ack_statement(self, *, relaxed: bool) -> bytes:
         """The ack, moving rows to the history table when it is kept; *relaxed*: without waiting for the flush."""

@@ -687,22 +687,35 @@ def _ack(*, keep: bool, relaxed: bool = False) -> str:
 # (division_by_zero), so the COMMIT sent right behind it in the same round
 # trip rolls the actor's writes back instead of committing them unacked.
 def _fenced_ack(*, keep: bool) -> str:
-    ack = _ack(keep=keep).replace(
-        "SELECT message_id, delivery FROM finished",
-        """, marked AS (
-            INSERT INTO {schema}.committed (delivery, message_id) SELECT delivery, message_id FROM finished
-        )
-        SELECT 1 / count(*) FROM finished""",
+    # Not counted in the throughput tally here: every block of a process would wait for the one
+    # before it to commit (they update the same tally row); committed_done counts them, batched.
+    returning = (
+        "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
+        " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
+        if keep
+        else "RETURNING m.message_id, m.delivery, m.queue_name"
     )
-    return ack
+    return f"""
+        WITH finished AS ({_ack_delete(relaxed=False)} {returning}),
+        {_KEEP if keep else ""}
+        marked AS (
+            INSERT INTO {{schema}}.committed (delivery, message_id, queue_name)
+            SELECT delivery, message_id, queue_name FROM finished
+        )
+        SELECT 1 / count(*) FROM finished
+    """
 
 
 def _committed_done(*, relaxed: bool) -> str:
     return f"""
-        DELETE FROM {{schema}}.committed AS c
-         USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
-         WHERE c.delivery = ANY(%(deliveries)s::uuid[]) AND c.delivery = o.delivery AND c.message_id = o.id
-        RETURNING c.message_id, c.delivery
+        WITH finished AS (
+            DELETE FROM {{schema}}.committed AS c
+             USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
+             WHERE c.delivery = ANY(%(deliveries)s::uuid[]) AND c.delivery = o.delivery AND c.message_id = o.id
+            RETURNING c.message_id, c.delivery, c.queue_name
+        ),
+        {_tally("done")}
+        SELECT message_id, delivery FROM finished
     """
 
 

@@ -8,6 +8,7 @@
 CREATE TABLE {schema}.committed (
     delivery     uuid        PRIMARY KEY,  -- the delivery's fence token
     message_id   uuid        NOT NULL,
+    queue_name   text        NOT NULL,  -- for the throughput tally, counted as the row goes
     committed_at timestamptz NOT NULL DEFAULT now()
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.05,
