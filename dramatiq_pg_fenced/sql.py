@@ -680,8 +680,8 @@ def _ack(*, keep: bool, relaxed: bool = False) -> str:
 # -- the fenced transaction (exactly_once.py, migration 012) ---------------------
 # An actor's block takes its delivery's row under its token first, and keeps
 # it locked until the block ends: no rescue, claim, cancel or other delivery
-# can touch the message meanwhile.  At the block's end the ack (the same
-# statement as the writer's, with its history row and tally) is written in
+# can touch the message meanwhile.  At the block's end the ack (the writer's
+# delete, with its history row; the tally waits for committed_done) is written in
 # the actor's transaction, with a ``committed`` row saying the delivery
 # finished there; 1 / count(*) turns an ack that did not apply into an error
 # (division_by_zero), so the COMMIT sent right behind it in the same round
