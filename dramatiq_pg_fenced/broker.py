@@ -43,7 +43,8 @@ from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
 from .enqueue import Enqueuer
-from .errors import DeadLetterError
+from .errors import DeadLetterError, DeliveryLost
+from .exactly_once import FencedTransactions, failed_after_its_commit
 from .fencing import Write
 from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
@@ -56,7 +57,7 @@ from .sql import check_queue, check_schema, statements
 from .unique import UniqueMessages
 
 
-class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethods, Broker):
+class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTransactions, SendMethods, Broker):
     """A Dramatiq broker that keeps messages in PostgreSQL.
 
     Parameters:
@@ -381,6 +382,11 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, SendMethod
                 "Message %s was already settled by attempt %d; retry ignored.", message.message_id, message.attempt
             )
             return False
+        if message.committed:  # its fenced transaction acked it: done (Dramatiq's ack that follows writes its effects)
+            failed_after_its_commit(self.logger, message, "retried")
+            return False
+        if isinstance(message.exception, DeliveryLost):
+            return False  # stale: a retry would be fenced out too; its ack is, and is counted
         outcome = retry_outcome(message, delay, self.enqueuer.encode, self.logger)
         if delivery.deferring() is message:
             message.decided = outcome  # handed over by Dramatiq's ack, with the other effects

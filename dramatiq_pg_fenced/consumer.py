@@ -38,6 +38,7 @@ from .database import Database
 from .delivery import Outcome, PostgresMessageProxy, ResultWrite
 from .doorbell import Doorbell, look_back
 from .errors import SchemaError, lost_connection
+from .exactly_once import failed_after_its_commit
 from .fencing import State, Write
 from .leases import Leases
 from .outcomes import OutcomeWriter
@@ -409,6 +410,11 @@ class PostgresConsumer(Consumer):
         if message.settled:
             return  # a retry already handed over this delivery's outcome, or it never started
         message.settled = True
+        failed_after_commit = message.committed and kind is Write.NACK
+        if message.committed:  # its fenced transaction wrote the ack: what it caused since rides this
+            if failed_after_commit:
+                failed_after_its_commit(self.logger, message, "dead-lettered")
+            kind = Write.ACK
         nack = kind is Write.NACK
         outcome = message.decided or Outcome(
             kind,
@@ -420,6 +426,9 @@ class PostgresConsumer(Consumer):
             exception=message.exception if nack else None,
             result=None if nack else message.pending_result,
         )
+        outcome.committed = message.committed
+        if failed_after_commit and self.stored_exception is not None:
+            outcome.result = self.stored_exception(message)  # the actor's error is its result: it failed
         if nack and outcome.kind is Write.NACK and self.stored_exception is not None:
             outcome.result = self.stored_exception(message)  # only if this nack applies, in its transaction
         outcome.follow_ups, outcome.countdowns = message.follow_ups, message.countdowns

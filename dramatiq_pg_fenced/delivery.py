@@ -83,6 +83,9 @@ class Outcome:
     #: Messages this delivery's middleware sent (next pipeline step, callbacks): enqueued with the outcome.
     follow_ups: list[Row] = field(default_factory=list, repr=False)
     countdowns: list[Countdown] = field(default_factory=list, repr=False)
+    #: ACK only: the delivery's fenced transaction committed the ack already; this writes what the
+    #: delivery caused afterwards, fenced on its ``committed`` row (exactly_once.py).
+    committed: bool = False
 
     def __post_init__(self) -> None:
         self.error = storable_text(self.error)
@@ -146,6 +149,9 @@ class PostgresMessageProxy(MessageProxy):
         self.ack_sends: list[Row] = []  #: sent inside ``with broker.with_ack():``: ride only an ack
         self.countdowns: list[Countdown] = []
         self.exception_stored = False  #: its stored exception rides its nack (see results.py)
+        #: Its fenced transaction committed its ack (exactly_once.py): what it causes later rides a
+        #: ``committed`` outcome, and it is never retried nor dead-lettered.
+        self.committed = False
         self.claimed_at = time.monotonic()
 
     @property

@@ -30,6 +30,19 @@ class NestedSendError(BrokerError, RuntimeError):
     caller's transaction commits."""
 
 
+class DeliveryLost(BrokerError):
+    """Raised as a fenced transaction begins (``broker.fenced_transaction()``) when the delivery running
+    it no longer holds its message: its lease lapsed and the message went back to the queue or to
+    another worker, or it was cancelled.  Nothing of the block runs, and nothing of it is written;
+    the delivery's outcome is fenced out and counted as a stale write, as for any stale delivery."""
+
+
+class FencedTransactionError(BrokerError, RuntimeError):
+    """A fenced transaction used where it cannot keep its promise: outside an actor delivered by this
+    broker, on a connection already in a transaction (the block must begin and commit it), or a
+    second time in one delivery (the first one's commit acked the message)."""
+
+
 class DeadLetterError(BrokerError):
     """Raised by ``join(fail_fast=True)`` for a message dead-lettered elsewhere.
 

@@ -43,6 +43,9 @@ from .sql import Statements
 #: shortest pause between them (seconds).
 VACUUM_AFTER_CLAIMS = 5000
 VACUUM_MIN_INTERVAL = 10.0
+#: Seconds a fenced transaction's ``committed`` row is kept at least (migration 012): its effects are
+#: written with its deletion, so it must outlive any writer backlog.
+COMMITTED_KEEP = 3600
 #: Seconds between two purges of old dead letters and cancellations.
 PURGE_EVERY = 60.0
 #: Rows deleted per bounded purge statement (a purge runs a few of them).
@@ -148,6 +151,8 @@ class Maintenance(Periodic):
         with self.database.connection(raw=True) as conn:
             conn.execute(self.statements.purge_finished, [self.settings.dead_message_ttl])
             conn.execute(self.statements.purge_throughput)
+            # Left by workers that died between a fenced transaction's commit and its effects' write.
+            conn.execute(self.statements.purge_committed, [max(self.settings.dead_message_ttl, COMMITTED_KEEP)])
 
     def purge_history(self) -> int:
         """Delete history older than ``keep_finished`` in bounded batches; returns the last batch's size."""

@@ -364,8 +364,11 @@ class OutcomeWriter:
             self.leases.release(outcome.message_id, outcome.delivery)
 
     def write(self, batch: list[Outcome]) -> None:
-        if all(o.kind is Write.ACK and not o.effects for o in batch):
+        if all(o.kind is Write.ACK and not o.effects and not o.committed for o in batch):
             self._write_acks(batch)
+            return
+        if all(o.committed and not o.effects for o in batch):
+            self._write_committed(batch)
             return
         stmts = self.statements
         by_kind: dict[Write, list[Outcome]] = {Write.ACK: [], Write.NACK: [], Write.RETRY: [], Write.RESULT: []}
@@ -375,7 +378,12 @@ class OutcomeWriter:
         # fence makes the second write a counted no-op.
         with self.database.connection(raw=True) as conn, self._transaction(conn):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
-            if acks := by_kind[Write.ACK]:
+            if committed := [o for o in by_kind[Write.ACK] if o.committed]:
+                # Acked by their fenced transaction: their effects apply if their committed row is here.
+                done = {"ids": [o.message_id for o in committed], "deliveries": [o.delivery for o in committed]}
+                rows = conn.execute(stmts.committed_done, {**done, "writer": self.writer}).fetchall()
+                applied.update((str(r[0]), str(r[1])) for r in rows)
+            if acks := [o for o in by_kind[Write.ACK] if not o.committed]:
                 ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
                 params: dict[str, Any] = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks]}
                 rows = conn.execute(ack, {**params, "writer": self.writer}).fetchall()
@@ -442,6 +450,16 @@ class OutcomeWriter:
                     len(misses),
                     e,
                 )
+
+    def _write_committed(self, outcomes: list[Outcome]) -> None:
+        """Deliveries acked by their fenced transaction that caused nothing since: their committed rows
+        go, in one statement (see migration 012).  One already gone was written before a lost
+        connection, or purged: nothing to write either way."""
+        stmts = self.statements
+        statement = stmts.committed_done if self.settings.durable_outcomes else stmts.committed_done_relaxed
+        params = {"ids": [o.message_id for o in outcomes], "deliveries": [o.delivery for o in outcomes]}
+        with self.database.connection(raw=True) as conn:
+            conn.execute(statement, {**params, "writer": self.writer})
 
     def _ack_statement(self, *, relaxed: bool) -> bytes:
         """The ack, moving rows to the history table when it is kept; *relaxed*: without waiting for the flush."""

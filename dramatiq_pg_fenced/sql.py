@@ -21,6 +21,8 @@ from       to         statement        who, and the fence
 queued     running    claim            a consumer; attempt + 1, a new token, a lease; not if paused
 running    (deleted)  ack              the outcome writer; fenced on the token
 running    history    ack_keep         the same, and the row moves to ``history``
+running    (deleted)  fenced_ack(_keep) the actor's fenced transaction, with its own writes;
+                                       its row locked (fence_lock) since the block began
 running    dead       nack             the outcome writer; fenced on the token
 running    queued     retry            the outcome writer; fenced; new payload, due time
 running    queued     requeue          shutdown release; fenced; attempt and place kept
@@ -307,12 +309,20 @@ _TEMPLATES = {
     # Like requeue and release_unseen, this keeps available_at: the message
     # takes its old place in the queue, not a place behind the backlog.
     # Each rescued lease is a redelivery to come: counted for operators.
+    # SKIP LOCKED: a row locked by an open fenced transaction (exactly_once.py) is being finished
+    # by its delivery, whose lease the keeper cannot extend meanwhile: it is left alone, and is
+    # gone if the block commits, rescued at a later pass if it rolls back.
     "rescue": f"""
-        WITH back AS (
+        WITH expired AS (
+            SELECT message_id FROM {{schema}}.message
+             WHERE state = 'running' AND lease_expires_at < now()
+               FOR UPDATE SKIP LOCKED
+        ), back AS (
             UPDATE {{schema}}.message AS m
                SET {_LOST}
-             WHERE state = 'running' AND lease_expires_at < now()
-            RETURNING message_id, queue_name, attempt, state
+              FROM expired
+             WHERE m.message_id = expired.message_id
+            RETURNING m.message_id, m.queue_name, m.attempt, m.state
         ), counted AS (
             INSERT INTO {{schema}}.counter AS c (name, value)
             SELECT 'redeliveries', count(*) FROM back WHERE state = 'queued' HAVING count(*) > 0
@@ -666,6 +676,66 @@ def _ack(*, keep: bool, relaxed: bool = False) -> str:
         SELECT message_id, delivery FROM finished
     """
 
+
+# -- the fenced transaction (exactly_once.py, migration 012) ---------------------
+# An actor's block takes its delivery's row under its token first, and keeps
+# it locked until the block ends: no rescue, claim, cancel or other delivery
+# can touch the message meanwhile.  At the block's end the ack (the writer's
+# delete, with its history row; the tally waits for committed_done) is written in
+# the actor's transaction, with a ``committed`` row saying the delivery
+# finished there; 1 / count(*) turns an ack that did not apply into an error
+# (division_by_zero), so the COMMIT sent right behind it in the same round
+# trip rolls the actor's writes back instead of committing them unacked.
+def _fenced_ack(*, keep: bool) -> str:
+    # Not counted in the throughput tally here: every block of a process would wait for the one
+    # before it to commit (they update the same tally row); committed_done counts them, batched.
+    returning = (
+        "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
+        " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
+        if keep
+        else "RETURNING m.message_id, m.delivery, m.queue_name"
+    )
+    return f"""
+        WITH finished AS ({_ack_delete(relaxed=False)} {returning}),
+        {_KEEP if keep else ""}
+        marked AS (
+            INSERT INTO {{schema}}.committed (delivery, message_id, queue_name)
+            SELECT delivery, message_id, queue_name FROM finished
+        )
+        SELECT 1 / count(*) FROM finished
+    """
+
+
+def _committed_done(*, relaxed: bool) -> str:
+    return f"""
+        WITH finished AS (
+            DELETE FROM {{schema}}.committed AS c
+             USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
+             WHERE c.delivery = ANY(%(deliveries)s::uuid[]) AND c.delivery = o.delivery AND c.message_id = o.id
+            RETURNING c.message_id, c.delivery, c.queue_name
+        ),
+        {_tally("done")}
+        SELECT message_id, delivery FROM finished
+    """
+
+
+_TEMPLATES.update(
+    {
+        "fence_lock": """
+            SELECT attempt FROM {schema}.message
+             WHERE message_id = %s AND delivery = %s AND state = 'running' FOR UPDATE
+        """,
+        "fenced_ack": _fenced_ack(keep=False),
+        "fenced_ack_keep": _fenced_ack(keep=True),
+        # The writer, for a delivery its block acked: its later effects are written only if this
+        # takes its committed row (see migration 012).
+        "committed_done": _committed_done(relaxed=False),
+        "committed_done_relaxed": _committed_done(relaxed=True),
+        # After a connection lost at the block's COMMIT: did it commit?
+        "committed_seen": "SELECT 1 FROM {schema}.committed WHERE delivery = %s",
+        "purge_committed": "DELETE FROM {schema}.committed WHERE committed_at < now() - %s * interval '1 second'",
+    }
+)
 
 _TEMPLATES.update(
     {
@@ -1324,6 +1394,13 @@ class Statements:
     ack_keep: bytes
     ack_relaxed: bytes
     ack_keep_relaxed: bytes
+    fence_lock: bytes
+    fenced_ack: bytes
+    fenced_ack_keep: bytes
+    committed_done: bytes
+    committed_done_relaxed: bytes
+    committed_seen: bytes
+    purge_committed: bytes
     nack: bytes
     retry: bytes
     requeue: bytes

@@ -28,6 +28,7 @@ from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
+from dramatiq_pg_fenced.errors import DeliveryLost
 
 URL = os.environ["DRAMATIQ_PG_URL"]
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
@@ -102,3 +103,24 @@ def crash() -> None:
     """Kills its own worker process (as a segfault or the OOM killer would): no outcome, ever."""
     record("start")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+_ADD_ONE = sql.SQL(
+    "INSERT INTO {}.tally (message_id, n) VALUES (%s, 1) ON CONFLICT (message_id) DO UPDATE SET n = tally.n + 1"
+).format(sql.Identifier(SCHEMA))
+
+
+@dramatiq.actor(queue_name="exact", max_retries=20, min_backoff=50, max_backoff=200)
+def add_one(seconds: float) -> None:
+    """Adds 1 to its message's row of ``<schema>.tally`` inside a fenced transaction (issue 28), with
+    *seconds* spent half before the block and half inside it (where a signal often lands)."""
+    message_id, _ = record("start")
+    time.sleep(seconds / 2)
+    try:
+        with broker.fenced_transaction() as conn:
+            conn.execute(_ADD_ONE, [message_id])
+            time.sleep(seconds / 2)
+    except DeliveryLost:
+        record("lost")
+        raise
+    record("finish")

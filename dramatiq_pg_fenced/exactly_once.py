@@ -1,0 +1,224 @@
+"""The fenced transaction: an actor's own writes commit with its delivery's ack, under its fence.
+
+::
+
+    @dramatiq.actor
+    def pay(order_id):
+        with broker.fenced_transaction() as conn:
+            conn.execute("UPDATE orders SET paid = true WHERE id = %s", [order_id])
+            receipt.send(order_id)  # a row of the same transaction
+
+The block, on a connection of the broker's pool (or one you pass):
+
+1. begins a transaction and takes the delivery's row, locked, under its fence token: still this
+   delivery's, still running (one statement, sent with the ``BEGIN`` in one round trip).  If the
+   delivery no longer holds it (its lease lapsed and it went back to the queue or to another
+   worker, or it was cancelled), :class:`~.errors.DeliveryLost` is raised before the block's body
+   runs: nothing of it is written;
+2. runs the body: the actor's statements on the connection, and its sends (written on it, as in
+   ``broker.transaction(conn)``).  The row stays locked: no rescue, claim, cancel or other
+   delivery can take the message until the block ends;
+3. writes the delivery's ack (the outcome writer's delete, with its history row), the messages sent earlier in ``with_ack()``, and a ``committed`` row (migration 012),
+   then commits, the ack and the ``COMMIT`` in one round trip.  An ack that would not apply fails
+   the statement, so the ``COMMIT`` behind it rolls back instead.
+
+What the delivery causes after the block (the result the Results middleware stores, the next
+pipeline step, callbacks, a group's countdown) arrives once the actor returns, after that commit.
+It rides a ``committed`` outcome: the writer deletes the delivery's ``committed`` row and writes
+those effects in the same transaction, only if it deleted it, so at most once.  A worker that dies
+between the block's commit and that write loses them (the message is done; the ``committed`` row
+is purged after ``dead_message_ttl``): put what must happen exactly once inside the block.
+
+An exception inside the block rolls it back and leaves the actor: the delivery takes the normal
+path (retry, dead letter).  An exception after the block cannot undo it: the message is done, the
+error is logged, and nothing is retried or dead-lettered (see :func:`failed_after_its_commit`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from . import delivery
+from .config import Settings
+from .database import Database
+from .delivery import PostgresMessageProxy
+from .doorbell import look_back
+from .errors import DeliveryLost, FencedTransactionError
+from .interrupt import shielded
+from .sql import Statements
+
+if TYPE_CHECKING:
+    from .enqueue import Enqueuer
+    from .parts import ProcessParts
+
+
+class Fence:
+    """One delivery's fenced transaction on one connection: :meth:`begin` takes the row, :meth:`end`
+    writes the ack in the transaction, :meth:`committed` is called once the transaction committed.
+    For frameworks that own the transaction (Django's ``atomic``, a SQLAlchemy ``Session``) the
+    integrations call these steps themselves; :meth:`FencedTransactions.fenced_transaction` does it
+    all on a psycopg connection."""
+
+    def __init__(self, methods: FencedTransactions, message: PostgresMessageProxy) -> None:
+        self._methods = methods
+        self.message = message
+
+    def begin(self, conn: psycopg.Connection, *, explicit: bool) -> None:
+        """Take the delivery's row in *conn*'s transaction (*explicit*: send the ``BEGIN`` too, with it)."""
+        m, stmts = self.message, self._methods.statements
+        with conn.pipeline():
+            if explicit:
+                conn.execute(b"BEGIN")
+            cur = conn.execute(stmts.fence_lock, [m.message_id, m.delivery])
+        if cur.fetchone() is None:
+            raise DeliveryLost(
+                f"message {m.message_id}: attempt {m.attempt} no longer holds it (its lease lapsed and it was "
+                "redelivered, or it was cancelled); nothing of the fenced transaction is written"
+            )
+
+    def end(self, conn: psycopg.Connection, *, commit: bool) -> None:
+        """Write the ack (and the sends made earlier in ``with_ack()``) in *conn*'s transaction; with
+        *commit*, commit it in the same round trip.  :class:`~.errors.DeliveryLost` if the ack would
+        not apply (then nothing commits)."""
+        m, methods = self.message, self._methods
+        stmts, settings = methods.statements, methods.settings
+        if m.ack_sends:
+            rows, m.ack_sends = m.ack_sends, []
+            if settings.listen:
+                conn.execute(stmts.notify, [settings.channel, look_back(sorted({r[1] for r in rows}), ring=False)])
+            methods.enqueuer.write(conn, rows)
+        ack = stmts.fenced_ack_keep if settings.keep_finished > 0 else stmts.fenced_ack
+        params = {"ids": [m.message_id], "deliveries": [m.delivery]}
+        try:
+            if not commit:
+                conn.execute(ack, params)
+                return
+            with conn.pipeline():
+                conn.execute(ack, params)
+                conn.commit()
+        except psycopg.errors.DivisionByZero:
+            raise DeliveryLost(
+                f"message {m.message_id}: attempt {m.attempt} no longer holds it at the end of its fenced "
+                "transaction; nothing of it is written"
+            ) from None
+
+    def committed(self) -> None:
+        """The transaction committed: the message is done.  The lease keeper stops counting on the row,
+        and what the delivery causes from now on rides a ``committed`` outcome."""
+        self.message.committed = True
+        self._methods.parts.leases.settle(self.message.message_id)
+
+    def committed_after_all(self) -> bool:
+        """After a connection lost at the commit: did it commit?  (Read on a fresh connection.)"""
+        token = self.message.delivery
+        try:
+            return bool(
+                self._methods.database.run(
+                    lambda c: c.execute(self._methods.statements.committed_seen, [token]).fetchone()
+                )
+            )
+        except Exception:
+            return False  # cannot tell: the error stands, and a retry of this delivery is fenced out if it did
+
+
+class FencedTransactions:
+    """``fenced_transaction()`` (a mixin of :class:`~.broker.PostgresBroker`)."""
+
+    database: Database
+    statements: Statements
+    settings: Settings
+    enqueuer: Enqueuer
+    logger: logging.Logger
+
+    if TYPE_CHECKING:
+
+        @property
+        def parts(self) -> ProcessParts: ...
+
+        @contextmanager
+        def transaction(self, conn: psycopg.Connection) -> Iterator[psycopg.Connection]: ...  # SendMethods's
+
+    def fence(self) -> Fence:
+        """The fence of the delivery running on this thread (for the framework integrations).
+
+        Raises :class:`~.errors.FencedTransactionError` outside an actor this broker delivered, or
+        when this delivery's fenced transaction committed already.
+        """
+        message = delivery.running()
+        if message is None:
+            raise FencedTransactionError(
+                "fenced_transaction() outside an actor delivered by a PostgresBroker: there is no delivery "
+                "whose ack it could commit"
+            )
+        if message.committed:
+            raise FencedTransactionError(
+                f"message {message.message_id}: a fenced transaction of this delivery committed already, with "
+                "its ack; one block per delivery"
+            )
+        return Fence(self, message)
+
+    @contextmanager
+    def fenced_transaction(self, conn: psycopg.Connection | None = None) -> Iterator[psycopg.Connection]:
+        """Inside an actor: a transaction whose writes commit together with this delivery's ack, or not
+        at all (see :mod:`.exactly_once`).  Yields the connection to write on.
+
+        *conn*: a psycopg connection of yours, not in a transaction (the block begins and commits
+        it); by default, one of the broker's pool.  The messages the actor sends inside are written
+        on it.  Raises :class:`~.errors.DeliveryLost` as it begins, before its body runs, when the
+        delivery no longer holds its message; an exception out of the body rolls everything back.
+        """
+        fence = self.fence()
+        with ExitStack() as stack:
+            if conn is None:
+                conn = stack.enter_context(self.database.connection())  # shielded: a cancel waits for the block
+            else:
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    raise FencedTransactionError(
+                        "fenced_transaction(conn): the connection is in a transaction already; the block must "
+                        "begin and commit it (commit or roll back first)"
+                    )
+                stack.enter_context(shielded())
+            try:
+                fence.begin(conn, explicit=conn.autocommit)
+                with self.transaction(conn):
+                    yield conn
+                fence.end(conn, commit=True)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if conn.info.transaction_status == TransactionStatus.UNKNOWN and fence.committed_after_all():
+                    self.logger.info(
+                        "The connection broke as message %s's fenced transaction committed; it did commit (%s).",
+                        fence.message.message_id,
+                        e,
+                    )
+                    fence.committed()
+                    return
+                with suppress(psycopg.Error):
+                    conn.rollback()
+                raise
+            except BaseException:
+                with suppress(psycopg.Error):
+                    conn.rollback()
+                raise
+            fence.committed()
+
+
+def failed_after_its_commit(logger: logging.Logger, message: PostgresMessageProxy, what: str) -> None:
+    """A delivery whose fenced transaction committed fails afterwards (*what*: it would be retried, or
+    dead-lettered): the message is done, so neither happens.  Logged as an error, with the error."""
+    logger.error(
+        "Message %s (attempt %d) failed after its fenced transaction committed its writes and its ack; it is "
+        "done and is not %s: %s",
+        message.message_id,
+        message.attempt,
+        what,
+        message.error_text("an error"),
+    )
+
+
+__all__ = ["Fence", "FencedTransactions", "failed_after_its_commit"]

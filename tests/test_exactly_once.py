@@ -1,0 +1,311 @@
+"""Exactly-once effects in the broker's database (issue 28): ``broker.fenced_transaction()``.
+
+An actor's own writes commit with its delivery's ack, under its fence, or not at all.  These tests
+run an in-process worker; ``tests/test_faults.py`` (section 6) runs real worker processes under
+SIGSTOP and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.results import Results
+from helpers import Factory, query, running_worker, wait_for
+
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError
+from dramatiq_pg_fenced.results import PostgresBackend
+
+
+def with_counter(broker: PostgresBroker) -> None:
+    query(broker, "CREATE TABLE {schema}.counter_rows (id text PRIMARY KEY, n int NOT NULL)")
+
+
+def add_one(conn: psycopg.Connection, schema: str, key: str) -> None:
+    conn.execute(
+        f'INSERT INTO "{schema}".counter_rows (id, n) VALUES (%s, 1) ON CONFLICT (id) DO UPDATE SET n = counter_rows.n + 1',
+        [key],
+    )
+
+
+def counts(broker: PostgresBroker) -> dict[str, int]:
+    return dict(query(broker, "SELECT id, n FROM {schema}.counter_rows"))  # type: ignore[arg-type]
+
+
+def left(broker: PostgresBroker) -> list[tuple]:
+    return query(broker, "SELECT state, count(*) FROM {schema}.message GROUP BY state")
+
+
+def stale(broker: PostgresBroker) -> int:
+    return int(broker.stats()["totals"].get("stale_writes", 0))
+
+
+def test_the_actors_write_commits_with_its_ack_on_the_brokers_connection(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given an actor that adds 1 inside the block and sends a message there, I expect the row, the
+    ack and the message in one transaction: the counter at 1, the message gone (kept in history), the
+    sent message delivered, nothing left to write, no stale write."""
+    broker = dramatiq_pg_broker_factory(keep_finished=3600)
+    with_counter(broker)
+    seen: list[str] = []
+
+    @dramatiq.actor(broker=broker)
+    def receipt(key: str) -> None:
+        seen.append(key)
+
+    @dramatiq.actor(broker=broker)
+    def pay(key: str) -> None:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+            receipt.send(key)  # a row of the block's transaction
+
+    with running_worker(broker, threads=2):
+        for i in range(5):
+            pay.send(f"k{i}")
+        broker.join(pay.queue_name, timeout=30_000)
+        wait_for(lambda: len(seen) == 5, 30, "the receipts")
+        assert broker.flush_outcomes(10)
+    assert counts(broker) == {f"k{i}": 1 for i in range(5)}
+    assert left(broker) == []
+    assert query(broker, "SELECT count(*) FROM {schema}.history WHERE actor_name = 'pay'") == [(5,)]
+    assert query(broker, "SELECT count(*) FROM {schema}.committed") == [(0,)]  # every later outcome written
+    assert stale(broker) == 0
+
+
+def test_the_block_runs_on_a_psycopg_connection_of_the_callers(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str
+) -> None:
+    """Given the actor's own psycopg connection (autocommit or not), I expect the same: its write and
+    the ack commit together, and the connection is idle again after the block."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    states: list[Any] = []
+
+    @dramatiq.actor(broker=broker)
+    def pay(key: str, autocommit: bool) -> None:
+        with psycopg.connect(dramatiq_pg_url, autocommit=autocommit) as mine:
+            with broker.fenced_transaction(mine) as conn:
+                assert conn is mine
+                add_one(conn, broker.schema, key)
+            states.append(mine.info.transaction_status)
+
+    with running_worker(broker, threads=2):
+        pay.send("auto", True)
+        pay.send("manual", False)
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert counts(broker) == {"auto": 1, "manual": 1}
+    assert left(broker) == []
+    assert states == [psycopg.pq.TransactionStatus.IDLE] * 2
+
+
+def test_an_exception_inside_the_block_rolls_back_and_the_message_is_retried(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given an actor whose first attempt fails inside the block after its write, I expect that write
+    rolled back and the retry to apply it: the counter at 1 after two attempts."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    attempts: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=3, min_backoff=10, max_backoff=10)
+    def pay(key: str) -> None:
+        attempts.append(1)
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+            if len(attempts) == 1:
+                raise RuntimeError("fails inside the block")
+
+    with running_worker(broker, threads=1):
+        pay.send("k")
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert len(attempts) == 2
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+    assert stale(broker) == 0
+
+
+@pytest.mark.parametrize("max_retries", [0, 3])
+def test_an_exception_after_the_block_is_logged_and_neither_retried_nor_dead_lettered(
+    dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture, max_retries: int
+) -> None:
+    """Given an actor that raises after its block committed, I expect the message done (acked, not
+    retried, not dead-lettered), the write applied once, one error line saying so, no stale write."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    runs: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=max_retries, min_backoff=10, max_backoff=10)
+    def pay(key: str) -> None:
+        runs.append(1)
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        raise RuntimeError("fails after the block")
+
+    with caplog.at_level(logging.ERROR), running_worker(broker, threads=1):
+        message = pay.send("k")
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert runs == [1]
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+    assert stale(broker) == 0
+    said = [r for r in caplog.records if "after its fenced transaction committed" in r.getMessage()]
+    assert len(said) == 1 and message.message_id in said[0].getMessage()
+    assert "fails after the block" in said[0].getMessage()
+
+
+def test_a_delivery_that_lost_its_message_writes_nothing(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given a delivery whose lease lapsed and whose message went back to the queue before its block
+    began, I expect DeliveryLost at the block's start, nothing of its body run or written, one stale
+    write counted, and the redelivery to apply the write: the counter at 1."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=30)
+    with_counter(broker)
+    started, go = threading.Event(), threading.Event()
+    raised: list[BaseException] = []
+    bodies: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=3, min_backoff=10, max_backoff=10)
+    def pay(key: str) -> None:
+        attempt = dramatiq.middleware.CurrentMessage.get_current_message().options["attempt"]  # type: ignore[union-attr]
+        if attempt == 1:
+            started.set()
+            go.wait(30)
+        try:
+            with broker.fenced_transaction() as conn:
+                bodies.append(attempt)
+                add_one(conn, broker.schema, key)
+        except DeliveryLost as e:
+            raised.append(e)
+            raise
+
+    broker.add_middleware(dramatiq.middleware.CurrentMessage())
+    with running_worker(broker, threads=2):
+        pay.send("k")
+        wait_for(started.is_set, 30, "attempt 1 to start")
+        # Its worker "pauses" past its lease: the rescuer puts the message back, another thread takes it.
+        query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
+        assert broker.parts.maintenance.rescue() == 1
+        wait_for(lambda: counts(broker) == {"k": 1}, 30, "attempt 2's write")
+        go.set()
+        wait_for(lambda: raised, 30, "attempt 1's DeliveryLost")
+        assert broker.flush_outcomes(10)
+        wait_for(lambda: stale(broker) == 1, 10, "the stale ack counted")
+    assert bodies == [2]
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+
+
+def test_a_rescue_leaves_a_row_locked_by_an_open_block_alone(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given a block that outlives its lease (the keeper cannot extend a row the block has locked), I
+    expect the rescuer to skip it, not wait for it, and the block's commit to apply: the counter at 1,
+    one run, nothing redelivered."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=30)
+    with_counter(broker)
+    inside, go = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> None:
+        runs.append(1)
+        # The lease lapses (as while the block runs past it): set before the block locks the row.
+        query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+            inside.set()
+            go.wait(30)
+
+    with running_worker(broker, threads=1):
+        pay.send("k")
+        wait_for(inside.is_set, 30, "the block to begin")
+        t0 = time.monotonic()
+        assert broker.parts.maintenance.rescue() == 0  # skipped, not waited for
+        assert time.monotonic() - t0 < 5
+        go.set()
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert runs == [1]
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+    assert stale(broker) == 0
+
+
+def test_what_the_delivery_causes_after_the_block_is_written_once(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given an actor with a stored result, a pipeline's next step and an on_success callback, I expect
+    each written once after its block committed the ack: the result readable, the next step and the
+    callback run once."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend, store_results=True))
+    after: list[str] = []
+
+    @dramatiq.actor(broker=broker)
+    def pay(key: str) -> str:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        return f"paid {key}"
+
+    @dramatiq.actor(broker=broker)
+    def then(previous: str) -> None:
+        after.append(previous)
+
+    @dramatiq.actor(broker=broker)
+    def on_paid(message: dict, result: str) -> None:
+        after.append(f"callback {result}")
+
+    with running_worker(broker, threads=2):
+        first = pay.send_with_options(args=("a",), on_success=on_paid)
+        pipe = dramatiq.pipeline([pay.message("b"), then.message()], broker=broker).run()
+        assert backend.get_result(first, block=True, timeout=10_000) == "paid a"
+        pipe.get_result(block=True, timeout=10_000)
+        wait_for(lambda: len(after) == 2, 30, "the next step and the callback")
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert sorted(after) == ["callback paid a", "paid b"]
+    assert counts(broker) == {"a": 1, "b": 1}
+    assert left(broker) == []
+    assert query(broker, "SELECT count(*) FROM {schema}.committed") == [(0,)]
+    assert stale(broker) == 0
+
+
+def test_the_block_refuses_what_it_cannot_keep(dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str) -> None:
+    """Outside an actor, on a connection in a transaction, or a second time in one delivery:
+    FencedTransactionError, and nothing is written."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    errors: list[str] = []
+
+    with pytest.raises(FencedTransactionError, match="outside an actor"), broker.fenced_transaction():
+        pass
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def twice(key: str) -> None:
+        with psycopg.connect(dramatiq_pg_url) as busy:
+            busy.execute("SELECT 1")  # an implicit transaction is open
+            try:
+                with broker.fenced_transaction(busy):
+                    pass
+            except FencedTransactionError as e:
+                errors.append(str(e))
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        try:
+            with broker.fenced_transaction():
+                pass
+        except FencedTransactionError as e:
+            errors.append(str(e))
+
+    with running_worker(broker, threads=1):
+        twice.send("k")
+        broker.join(twice.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert len(errors) == 2 and "in a transaction already" in errors[0] and "committed already" in errors[1]
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
