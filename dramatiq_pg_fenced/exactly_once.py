@@ -18,7 +18,7 @@ The block, on a connection of the broker's pool (or one you pass):
 2. runs the body: the actor's statements on the connection, and its sends (written on it, as in
    ``broker.transaction(conn)``).  The row stays locked: no rescue, claim, cancel or other
    delivery can take the message until the block ends;
-3. writes the delivery's ack (the outcome writer's delete, with its history row), the messages sent earlier in ``with_ack()``, and a ``committed`` row (migration 012),
+3. writes the delivery's ack (the outcome writer's delete, with its history row), the messages sent earlier in ``with_ack()``, and a ``committed`` row (migration 010),
    then commits, the ack and the ``COMMIT`` in one round trip.  An ack that would not apply fails
    the statement, so the ``COMMIT`` behind it rolls back instead.
 

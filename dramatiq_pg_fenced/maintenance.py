@@ -43,7 +43,7 @@ from .sql import Statements
 #: shortest pause between them (seconds).
 VACUUM_AFTER_CLAIMS = 5000
 VACUUM_MIN_INTERVAL = 10.0
-#: Seconds a fenced transaction's ``committed`` row is kept at least (migration 012): its effects are
+#: Seconds a fenced transaction's ``committed`` row is kept at least (migration 010): its effects are
 #: written with its deletion, so it must outlive any writer backlog.
 COMMITTED_KEEP = 3600
 #: Seconds between two purges of old dead letters and cancellations.

@@ -453,7 +453,7 @@ class OutcomeWriter:
 
     def _write_committed(self, outcomes: list[Outcome]) -> None:
         """Deliveries acked by their fenced transaction that caused nothing since: their committed rows
-        go, in one statement (see migration 012).  One already gone was written before a lost
+        go, in one statement (see migration 010).  One already gone was written before a lost
         connection, or purged: nothing to write either way."""
         stmts = self.statements
         statement = stmts.committed_done if self.settings.durable_outcomes else stmts.committed_done_relaxed

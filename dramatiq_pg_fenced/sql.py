@@ -677,7 +677,7 @@ def _ack(*, keep: bool, relaxed: bool = False) -> str:
     """
 
 
-# -- the fenced transaction (exactly_once.py, migration 012) ---------------------
+# -- the fenced transaction (exactly_once.py, migration 010) ---------------------
 # An actor's block takes its delivery's row under its token first, and keeps
 # it locked until the block ends: no rescue, claim, cancel or other delivery
 # can touch the message meanwhile.  At the block's end the ack (the writer's
@@ -728,7 +728,7 @@ _TEMPLATES.update(
         "fenced_ack": _fenced_ack(keep=False),
         "fenced_ack_keep": _fenced_ack(keep=True),
         # The writer, for a delivery its block acked: its later effects are written only if this
-        # takes its committed row (see migration 012).
+        # takes its committed row (see migration 010).
         "committed_done": _committed_done(relaxed=False),
         "committed_done_relaxed": _committed_done(relaxed=True),
         # After a connection lost at the block's COMMIT: did it commit?
