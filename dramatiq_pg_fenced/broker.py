@@ -392,7 +392,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
             message.decided = outcome  # handed over by Dramatiq's ack, with the other effects
         else:
             self.parts.writer.submit(outcome)
-            message.settled = True
+            message.settled = message.retried_at_once = True
         return outcome.kind is Write.RETRY
 
     def row(self, message: Message, delay: int | None) -> Row:

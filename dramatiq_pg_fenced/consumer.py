@@ -408,7 +408,13 @@ class PostgresConsumer(Consumer):
         if delivery.running() is message:
             delivery.start(None)  # this thread's sends are its own again
         if message.settled:
-            return  # a retry already handed over this delivery's outcome, or it never started
+            # A retry the actor made itself was handed over at once (or the delivery never started): what
+            # the delivery caused since is no part of that retry, and is dropped, counted.
+            late = len(message.ack_sends) + len(message.follow_ups) + len(message.countdowns)
+            if late:
+                self.writer.stale.drop_unacked(Write.RETRY, message.message_id, message.attempt, late)
+                message.ack_sends, message.follow_ups, message.countdowns = [], [], []
+            return
         message.settled = True
         failed_after_commit = message.committed and kind is Write.NACK
         if message.committed:  # its fenced transaction wrote the ack: what it caused since rides this

@@ -149,6 +149,9 @@ class PostgresMessageProxy(MessageProxy):
         self.ack_sends: list[Row] = []  #: sent inside ``with broker.with_ack():``: ride only an ack
         self.countdowns: list[Countdown] = []
         self.exception_stored = False  #: its stored exception rides its nack (see results.py)
+        #: its actor re-enqueued it itself (outside the middleware's hooks): that retry was handed over at
+        #: once, and a result stored after it is no part of it (see results.py)
+        self.retried_at_once = False
         #: Its fenced transaction committed its ack (exactly_once.py): what it causes later rides a
         #: ``committed`` outcome, and it is never retried nor dead-lettered.
         self.committed = False

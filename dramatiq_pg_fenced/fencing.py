@@ -115,10 +115,11 @@ class StaleWrites:
                 self.dropped_effects += n
 
     def drop_unacked(self, kind: Write, message_id: str, attempt: int, n: int) -> None:
-        """Count (and log) the *n* messages a delivery sent inside ``with_ack()`` that ended in a *kind*
-        (a retry or a dead letter), not an ack: they are not sent."""
+        """Count (and log) the *n* effects of a delivery that ended in a *kind* (a retry or a dead letter)
+        they cannot ride: the messages it sent inside ``with_ack()``, and, after a retry the actor made
+        itself, whatever the middleware sent after it.  They are not sent."""
         self.logger.info(
-            "Attempt %d of message %s ended with a %s, not an ack: the %d message(s) it sent inside with_ack() "
+            "Attempt %d of message %s ended with a %s: %d message(s) or countdown(s) that wait for an ack "
             "are dropped.",
             attempt,
             message_id,
@@ -134,19 +135,22 @@ class StaleWrites:
         misses: Sequence[Miss],
         retried: Collection[tuple[str, str]] = (),
         queues: Mapping[str, str] | None = None,
-    ) -> None:
+    ) -> set[tuple[str, str]]:
         """Log and count *misses*; called inside the writing transaction (after it, for a batch of acks alone).
 
         *retried* holds the (message id, delivery token) pairs whose previous try
         failed with a broken connection: it may have committed, so a row that
         looks as that write left it is not counted as stale.  *queues* (message
         id -> queue, when the caller knows) adds per-queue counts to the total.
+        Returns the (message id, delivery token) pairs of *misses* that such a
+        try probably wrote: their effects were written with them, not dropped.
         """
         if not misses:
-            return
+            return set()
         rows = conn.execute(self.statements.current, [[m[1] for m in misses]]).fetchall()
         current: dict[str, Row] = {str(r[0]): (r[1], r[2], None if r[3] is None else str(r[3])) for r in rows}
         n_stale = n_cancelled = 0
+        written_before: set[tuple[str, str]] = set()
         stale_queues: list[str | None] = []
         ended: list[tuple[str, str]] = []  # cancelled deliveries that ended with this write
         for kind, message_id, attempt, delivery in misses:
@@ -159,6 +163,7 @@ class StaleWrites:
                     "Message %s was cancelled; the %s of attempt %d is dropped.", message_id, kind.value, attempt
                 )
             elif delivery is not None and (message_id, delivery) in retried and left_by(kind, delivery, now):
+                written_before.add((message_id, delivery))
                 self.logger.info(
                     "The %s of message %s by attempt %d was probably written by a try whose connection broke "
                     "at commit; not counted as stale.",
@@ -177,3 +182,4 @@ class StaleWrites:
             conn.execute(self.statements.cancel_ended, [[m for m, _ in ended], [d for _, d in ended]])
         if n_stale:
             conn.execute(self.statements.count_stale, stale_counts(stale_queues))
+        return written_before

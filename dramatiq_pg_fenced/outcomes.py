@@ -420,8 +420,12 @@ class OutcomeWriter:
                 misses += self._write_results(conn, by_kind, applied)
             self._write_effects(conn, [o for o in batch if (o.message_id, o.delivery) in applied])
             queues = {o.message_id: o.queue_name for o in batch if o.queue_name}
-            self.stale.report(conn, misses, retried=self._retried, queues=queues)
-            dropped = [o for o in batch if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied]
+            written_before = self.stale.report(conn, misses, retried=self._retried, queues=queues)
+            dropped = [
+                o
+                for o in batch
+                if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied | written_before
+            ]
             self.stale.drop_effects(dropped)
         for outcome in batch:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:

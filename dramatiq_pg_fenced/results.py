@@ -226,6 +226,15 @@ class PostgresBackend(ResultBackend):
     # -- writing ------------------------------------------------------------------
     def store_result(self, message: Any, result: Any, ttl: int) -> None:
         """Store a result for *ttl* ms, fenced on the message's attempt (see the module docstring)."""
+        if isinstance(message, PostgresMessageProxy) and message.retried_at_once:
+            # Its outcome was handed over without it (a retry the actor made itself): a result rides
+            # only an ack, and this delivery has none.  Written now, it could land before that retry.
+            self.logger.info(
+                "The result of message %s (attempt %d) is not stored: that delivery was already retried.",
+                message.message_id,
+                message.attempt,
+            )
+            return
         write = self._write_for(message, wrap_result(result), ttl)
         if self.broker is not None and self.broker.holds(message):
             message.pending_result = write  # committed with the ack of this attempt

@@ -1096,13 +1096,17 @@ for _state in ("queued", *FINISHED_STATES):
 # NOTIFYs "{schema}_results" with its key, a rate-limiter event
 # "{schema}_rate_limits" with its key; a key too long for a NOTIFY payload
 # (8000 bytes) sends "*" and wakes every waiter, who then re-read.
+# A stored result is replaced by a later attempt's, never by an earlier one's; and always by a write
+# that names its delivery token, since every such write was checked against the message row in its
+# statement (or rides its ack or nack, applied in the same transaction): it is the newest outcome,
+# even of an id sent again after its ack, whose attempts start at 1 again.
 _RESULT_UPSERT = """
         ON CONFLICT (key) DO UPDATE
            SET message_id = EXCLUDED.message_id, attempt = EXCLUDED.attempt, delivery = EXCLUDED.delivery,
                data = EXCLUDED.data,
                stored_at = now(), expires_at = EXCLUDED.expires_at
          WHERE r.attempt IS NULL OR EXCLUDED.attempt IS NULL OR r.attempt <= EXCLUDED.attempt
-            OR r.expires_at <= now()
+            OR EXCLUDED.delivery IS NOT NULL OR r.expires_at <= now()
         RETURNING key
 """
 # The rows a result write inserts (both result_store statements).
