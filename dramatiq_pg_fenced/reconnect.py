@@ -31,6 +31,9 @@ for it.  Here, every connection a process makes to one server goes through one
 - The pools check a connection on checkout (:func:`check_connection`): for free
   when it was handed out within :data:`CHECK_IDLE` seconds, with one round trip
   when it was idle longer, so a demoted or dead server is left within seconds.
+  A pool that only reads, from a replica (``read_url``), is checked the same way
+  for a dead server, but a server that takes no writes is what it wants
+  (:func:`check_readable`).
 
 Imports nothing of ours.
 """
@@ -326,6 +329,23 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
         raise psycopg.OperationalError("connection to a server that takes no writes")
 
 
+def check_readable(conn: psycopg.Connection[Any]) -> None:
+    """The check on checkout of a pool that only reads (operators' reads from a replica: ``read_url``):
+    as :func:`check_connection` for a dead server (one round trip when the connection was not handed
+    out for :data:`CHECK_IDLE` seconds), but a server that takes no writes is what it wants; it
+    neither drops the connection nor says anything about that server."""
+    if not isinstance(conn, PacedConnection):
+        return
+    now = time.monotonic()
+    if now - conn.checked_at > CHECK_IDLE:
+        try:
+            conn.execute(b"")
+        except psycopg.Error:
+            conn.close()
+            raise
+    conn.checked_at = now
+
+
 class PacedPool(ConnectionPool):
     """psycopg_pool's ``ConnectionPool``, reconnecting every :data:`RETRY_INTERVAL` at the longest
     (jittered) instead of after its doubling backoff, its attempts paced per server.
@@ -354,6 +374,7 @@ __all__ = [
     "PacedPool",
     "Server",
     "check_connection",
+    "check_readable",
     "connect_failure",
     "reports_read_only",
     "server_for",
