@@ -8,6 +8,7 @@ it too).
   receiver (``primary_conninfo = ''``), so the primary goes on alone: a network partition between them.
 - :func:`make_pair`: a primary with no standby, an asynchronous or a synchronous one
   (``synchronous_standby_names``), on one multi-host URL with ``target_session_attrs=read-write``.
+- :class:`IsolatedServer`: a server in a network namespace of its own whose link can be blackholed.
 - :class:`Producer`: sends every 10 ms; a send that raises is sent again with the same id.
 - :func:`failover_run`: worker processes and the producer on a pair, a fault, then a promotion (or,
   for a crash, a restart); what the ledger and the new primary say.
@@ -15,13 +16,18 @@ it too).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import pwd
+import random
+import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -257,3 +263,95 @@ def failover_run(servers: Pair, env: Env, *, fault: str, workers: int = 2, job_s
     logs = "\n".join(Path(w.log_path).read_text() for w in procs)  # type: ignore[attr-defined]
     return {**figures, "logs": logs}
 
+
+class IsolatedServer(OwnedServer):
+    """An :class:`OwnedServer` in a network namespace of its own, reached over a veth pair
+    (``10.231.N.2``), whose link the test can blackhole: :meth:`blackhole` points each side's
+    neighbour entry at a MAC address nobody has, so every packet either way is dropped while both
+    sockets stay open, as when a server's host dies, a firewall or NAT forgets the connection or a
+    failover moves an address; nothing answers, not even with a reset.  Needs root and ``ip``
+    (iproute2); skips otherwise."""
+
+    NOBODY = "02:00:00:00:00:01"
+
+    def __init__(self, **settings: str) -> None:
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("setpriv"):
+            pytest.skip("a network namespace needs root, ip (iproute2) and setpriv")
+        tag = f"{os.getpid() % 10000}{random.randrange(100, 1000)}"
+        self.ns, self.host_if, self.ns_if = f"dpg{tag}", f"dpgh{tag}", f"dpgn{tag}"
+        taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+        subnet = random.choice([n for n in range(1, 255) if f"10.231.{n}." not in taken])
+        self.host_ip, self.server_ip = f"10.231.{subnet}.1", f"10.231.{subnet}.2"
+        try:
+            self._ip("netns", "add", self.ns)
+        except subprocess.CalledProcessError:
+            pytest.skip("cannot make a network namespace here")
+        try:
+            self._ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            self._ip("link", "set", self.ns_if, "netns", self.ns)
+            self._ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_if)
+            self._ip("link", "set", self.host_if, "up")
+            self._ip("addr", "add", f"{self.server_ip}/30", "dev", self.ns_if, ns=True)
+            self._ip("link", "set", self.ns_if, "up", ns=True)
+            self._ip("link", "set", "lo", "up", ns=True)
+            super().__init__(**settings)
+        except BaseException:
+            self._remove_namespace()
+            raise
+
+    def _ip(self, *args: str, ns: bool = False) -> None:
+        where = ["ip", "netns", "exec", self.ns] if ns else []
+        subprocess.run([*where, "ip", *args], check=True, capture_output=True, timeout=30)
+
+    def start(self) -> dt.datetime:
+        """Start the server in the namespace, listening on its address there; returns when it first
+        accepted a connection from here."""
+        self.url = f"postgresql://postgres@{self.server_ip}:{self.port}/postgres"
+        hba = os.path.join(self.datadir, "pg_hba.conf")
+        with open(hba) as f:
+            lines = f.read()
+        if self.host_ip not in lines:
+            with open(hba, "a") as f:
+                f.write(f"host all all {self.host_ip}/32 trust\n")
+        options = f"-h {self.server_ip} -p {self.port} -k {self.datadir} " + " ".join(
+            f"-c {name}={value}" for name, value in self.settings.items()
+        )
+        as_user = ["setpriv", f"--reuid={self.user}", f"--regid={self.user}", "--init-groups"] if self.user else []
+        subprocess.run(
+            ["ip", "netns", "exec", self.ns, *as_user, os.path.join(self.bin, "pg_ctl"), "-D", self.datadir,
+             "-l", os.path.join(self.datadir, "log"), "-o", options, "-W", "start"],
+            check=True, cwd=self.datadir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, timeout=120,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                psycopg.connect(self.url, connect_timeout=2).close()
+                return dt.datetime.now(dt.timezone.utc)
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def blackhole(self, on: bool = True) -> None:
+        """Drop every packet between here and the server (``on``), or let them through again."""
+        if on:
+            self._ip("neigh", "replace", self.server_ip, "lladdr", self.NOBODY, "dev", self.host_if, "nud", "permanent")
+            self._ip(
+                "neigh", "replace", self.host_ip, "lladdr", self.NOBODY, "dev", self.ns_if, "nud", "permanent", ns=True
+            )
+        else:
+            self._ip("neigh", "del", self.server_ip, "dev", self.host_if)
+            self._ip("neigh", "del", self.host_ip, "dev", self.ns_if, ns=True)
+
+    def _remove_namespace(self) -> None:
+        with suppress(subprocess.SubprocessError):
+            self._ip("link", "del", self.host_if)
+        with suppress(subprocess.SubprocessError):
+            self._ip("netns", "del", self.ns)
+
+    def close(self) -> None:
+        with suppress(subprocess.SubprocessError):
+            self.blackhole(False)
+        super().close()
+        self._remove_namespace()
