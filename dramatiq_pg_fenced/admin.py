@@ -638,9 +638,11 @@ def _vacuum_full(conn: psycopg.Connection, statements: Statements, table: str, l
 
 class OperatorMethods:
     """What operators do, as methods of :class:`~.broker.PostgresBroker` (a mixin: it needs the
-    broker's ``database``, ``statements``, ``channel``, ``listen`` and declared ``queues``)."""
+    broker's ``database``, ``reader``, ``statements``, ``channel``, ``listen`` and declared ``queues``).
+    Reads go to the ``reader`` (a replica's, with the broker's ``read_url``), actions to the ``database``."""
 
     database: Database
+    reader: Database
     statements: Statements
     channel: str
     listen: bool
@@ -665,7 +667,7 @@ class OperatorMethods:
 
     def inspect(self, message_id: str) -> dict[str, Any] | None:
         """What operators need to understand a message; ``None`` if unknown."""
-        return inspect(self.database, self.statements, message_id)
+        return inspect(self.reader, self.statements, message_id)
 
     def redrive(self, message_id: str, *, seen: str | None = None) -> bool:
         """Put a dead or cancelled message back in its queue, due now, with its retry count reset.
@@ -715,8 +717,8 @@ class OperatorMethods:
         self, queue_name: str, state: str, *, actor: str | None = None, after: str | None = None, limit: int = 50
     ) -> Page:
         """A keyset page of a queue's messages in one state (see :func:`.admin.list_messages`)."""
-        self._known(queue_name)
-        return list_messages(self.database, self.statements, queue_name, state, actor=actor, after=after, limit=limit)
+        check_known(self.reader, self.statements, queue_name, declared=self.queues)
+        return list_messages(self.reader, self.statements, queue_name, state, actor=actor, after=after, limit=limit)
 
     def _known(self, queue_name: str, hint: str = "") -> None:
         """Refuse a queue nothing knows of (:func:`.admin.check_known`); this broker's declared queues are known."""
@@ -724,7 +726,7 @@ class OperatorMethods:
 
     def queue_overview(self, *, cap: int | None = None) -> list[dict[str, Any]]:
         """Per queue: the operator's figures (see :func:`.admin.overview`)."""
-        return overview(self.database, self.statements, cap=cap)
+        return overview(self.reader, self.statements, cap=cap)
 
     @property
     def _ring(self) -> str | None:

@@ -87,6 +87,12 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
       run_schedules: ``False``: this process's workers do not run the
         scheduler of ``broker.schedules`` (``dramatiq-pg-fenced scheduler
         MODULE`` can run it alone).
+      read_url: where operators' reads go (:meth:`stats`, :meth:`queue_overview`,
+        :meth:`list_messages`, :meth:`inspect`, the dashboard's pages and the
+        metrics): a streaming replica (a hot standby), so they never load the
+        primary.  Claims, leases, sends, outcomes and operators' actions
+        (cancel, re-drive, pause, purge) always go to ``url``.  ``None``
+        (default): everything goes to ``url``.
       interrupt_on_cancel: ``True`` makes every actor without its own
         ``interrupt_on_cancel`` option stop when its running message is
         cancelled (``MessageCancelled`` raised in its thread; see
@@ -115,6 +121,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
         durable_outcomes: bool = DEFAULT_DURABLE_OUTCOMES,
         run_schedules: bool = True,
         interrupt_on_cancel: bool = DEFAULT_INTERRUPT_ON_CANCEL,
+        read_url: str | None = None,
     ) -> None:
         check_schema(schema)
         if lease_seconds <= 0 or poll_interval <= 0 or rescue_interval <= 0:
@@ -147,6 +154,18 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
             pool_max_size=pool_max_size,
             prepare=listen,  # listen=False: maybe behind a transaction pooler
         )
+        #: Where operators' reads go: a replica's own pool with ``read_url``, else :attr:`database`.
+        self.reader = self.database
+        if read_url:
+            self.reader = Database(
+                read_url,
+                schema=schema,
+                connect_timeout=connect_timeout,
+                pool_max_size=min(pool_max_size, 4),
+                prepare=listen,
+                name="reader",
+                reads=True,
+            )
         self.statements = statements(schema)
         self.enqueuer = Enqueuer(
             self.statements,
@@ -272,6 +291,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
         if parts is not None and parts.pid == os.getpid():
             parts.close()
         self.database.close()
+        if self.reader is not self.database:
+            self.reader.close()
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> PostgresConsumer:
         if queue_name not in self.queues:
@@ -439,15 +460,16 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process, totals from the database, queue sizes, and every stored schedule
-        (next and last tick, the last tick's message; see :func:`.schedules.overview`)."""
+        (next and last tick, the last tick's message; see :func:`.schedules.overview`); the database's
+        figures from the :attr:`reader` (a replica, with ``read_url``)."""
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
         local["interrupts"] = parts.interrupter.interrupts if parts is not None else 0
         held = len(parts.leases.snapshot()) if parts is not None else 0
         local["scheduled_ticks"] = parts.scheduler.enqueued if parts is not None else 0
-        totals, queues = admin.queue_counts(self.database, self.statements)
-        schedules = schedule_overview(self.database, self.statements)
+        totals, queues = admin.queue_counts(self.reader, self.statements)
+        schedules = schedule_overview(self.reader, self.statements)
         return {"process": {**local, "held": held}, "totals": totals, "queues": queues, "schedules": schedules}
 
 

@@ -29,6 +29,7 @@ from dramatiq.errors import BrokerError
 from . import __version__, admin, schedules, startup
 from .broker import PostgresBroker
 from .config import DEFAULT_SCHEMA
+from .database import Database
 from .errors import describe_failure
 from .sql import FINISHED_STATES
 
@@ -43,6 +44,12 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
         "--url",
         default=default if suppress else os.environ.get("DATABASE_URL"),
         help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables, named on stderr)",
+    )
+    common.add_argument(
+        "--read-url",
+        default=default if suppress else os.environ.get("DATABASE_READ_URL"),
+        help="a streaming replica for the reads of stats, inspect, list, schedules, metrics and the dashboard's "
+        "pages; actions still go to --url (default: $DATABASE_READ_URL, else --url)",
     )
     common.add_argument(
         "--schema",
@@ -162,7 +169,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return _fail(str(e), USAGE)
     pool = 4 if args.command == "dashboard" else 1
     try:
-        broker = PostgresBroker(args.url, schema=args.schema, listen=False, pool_max_size=pool)
+        broker = PostgresBroker(args.url, schema=args.schema, listen=False, pool_max_size=pool, read_url=args.read_url)
     except ValueError as e:
         return _fail(str(e), USAGE)
     if not args.url:
@@ -206,12 +213,13 @@ def _fail(text: str, code: int) -> int:
 
 def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> int:
     db, st, ring = broker.database, broker.statements, broker.channel  # NOTIFY works without LISTEN
+    reads = broker.reader  # a replica's with --read-url: never for a write
     command = args.command
     queue = getattr(args, "queue", None) if command in _QUEUE_COMMANDS else None
     if queue is not None and not getattr(args, "create", False):
         # A typo must not pause (or list, purge...) a phantom queue: exit 2, naming the known ones.
         hint = "pause --create pauses a queue before its first message" if command == "pause" else ""
-        admin.check_known(db, st, queue, hint=hint)
+        admin.check_known(reads if command == "list" else db, st, queue, hint=hint)
     if command == "migrate":
         applied = broker.migrate()
         done = ", ".join(map(str, applied)) if applied else "nothing to do"
@@ -228,9 +236,9 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
         _print_json(info)
         return OK
     if command == "stats":
-        queues = admin.overview(db, st)
-        totals = admin.counters(db, st)
-        listed = schedules.overview(db, st)
+        queues = admin.overview(reads, st)
+        totals = admin.counters(reads, st)
+        listed = schedules.overview(reads, st)
         if args.json:
             _print_json({"queues": queues, "totals": totals, "schedules": listed})
         else:
@@ -245,14 +253,16 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
                 return _fail(f"no schedule {args.forget!r}", NOT_APPLIED)
             print(f"{args.forget}: forgotten (a scheduler that still declares its newest definition puts it back)")
             return OK
-        listed = schedules.overview(db, st)
+        listed = schedules.overview(reads, st)
         if args.json:
             _print_json({"schedules": listed})
         else:
             print(schedules_table(listed))
         return OK
     if command == "list":
-        page = admin.list_messages(db, st, args.queue, args.state, actor=args.actor, after=args.after, limit=args.limit)
+        page = admin.list_messages(
+            reads, st, args.queue, args.state, actor=args.actor, after=args.after, limit=args.limit
+        )
         if args.json:
             _print_json({"messages": page.rows, "next": page.next})
         else:
@@ -364,11 +374,11 @@ def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
         from . import metrics
     except ImportError as e:
         return _fail(str(e), USAGE)
-    registry = metrics.registry(broker.database, broker.statements)
+    registry = metrics.registry(broker.reader, broker.statements)
     if args.once:
         sys.stdout.write(metrics.exposition(registry).decode())
         return OK
-    _check_before_serving(broker, "each scrape answers dramatiq_pg_up 0")
+    _check_before_serving(broker, "each scrape answers dramatiq_pg_up 0", broker.reader)
     from prometheus_client import make_wsgi_app
 
     from .dashboard import AllowedHosts, host_checked, make_dashboard_server, netloc
@@ -390,7 +400,8 @@ def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     from .dashboard import dashboard_app, make_dashboard_server, netloc
 
     auth = _dashboard_auth(args.auth_file)
-    _check_before_serving(broker, "its pages answer 503")
+    # The pages read from the reader (a replica, with --read-url); the actions write to the primary.
+    _check_before_serving(broker, "its pages answer 503", broker.reader, *([broker.database] if args.actions else []))
     app = dashboard_app(broker, actions=args.actions, ring=True, allowed_hosts=_allowed_hosts(args), auth=auth)
     server = make_dashboard_server(app, args.host, args.port)  # warns if it exposes actions to anyone
     mode = ("actions on" if args.actions else "read-only") + (", authentication on" if auth else "")
@@ -404,12 +415,14 @@ def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     return OK
 
 
-def _check_before_serving(broker: PostgresBroker, meanwhile: str) -> None:
+def _check_before_serving(broker: PostgresBroker, meanwhile: str, *databases: Database) -> None:
     """A role, password, database or schema that can never work: fail now (``StartupError``, exit 3).
-    A database that cannot be reached now: serve all the same, and say so (as once started)."""
-    away = startup.check(broker.database)
-    if away is not None:
-        print(f"note: {away}; {meanwhile} until it is back", file=sys.stderr)
+    A database that cannot be reached now: serve all the same, and say so (as once started).
+    *databases*: those the server uses (default: the broker's)."""
+    for database in dict.fromkeys(databases or (broker.database,)):
+        away = startup.check(database)
+        if away is not None:
+            print(f"note: {away}; {meanwhile} until it is back", file=sys.stderr)
 
 
 def _allowed_hosts(args: argparse.Namespace) -> list[str]:

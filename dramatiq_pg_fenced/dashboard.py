@@ -232,6 +232,8 @@ class Dashboard:
         from code or a command line.  ``None``: none (put the app behind yours).
       declared: the queues of the broker's actors, known before their first
         message (``dashboard_app`` passes the broker's).
+      reader: where the pages and ``/metrics`` read (the broker's ``reader``: a
+        replica's, with ``read_url``); actions always go to *database*.
     """
 
     def __init__(
@@ -246,8 +248,10 @@ class Dashboard:
         allowed_hosts: Iterable[str] = (),
         auth: str | None = None,
         declared: Callable[[], Iterable[str]] = tuple,
+        reader: Database | None = None,
     ) -> None:
         self.database = database
+        self.reader = reader or database
         self.statements = statements
         self.settings = settings
         self.actions = actions
@@ -323,7 +327,7 @@ class Dashboard:
         except ImportError as e:
             raise HTTPError("501 Not Implemented", str(e)) from None
         if self._metrics is None:
-            self._metrics = metrics.registry(self.database, self.statements)
+            self._metrics = metrics.registry(self.reader, self.statements)
         data = metrics.exposition(self._metrics)
         start_response("200 OK", [("Content-Type", metrics.CONTENT_TYPE), ("Content-Length", str(len(data)))])
         return [data]
@@ -405,7 +409,7 @@ class Dashboard:
 
     # -- pages -------------------------------------------------------------------
     def queues_page(self, query: dict[str, str]) -> str:
-        queues = admin.overview(self.database, self.statements, cap=COUNT_CAP + 1)
+        queues = admin.overview(self.reader, self.statements, cap=COUNT_CAP + 1)
         heads = ["queue", "queued", "delayed", "running", "expired leases", "dead", "cancelled", "done 1 min",
                  "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
         rows = []
@@ -474,7 +478,7 @@ class Dashboard:
         queue = query.get("queue", "")
         state = query.get("state", "queued")
         actor = query.get("actor", "").strip()
-        names = sorted(set(admin.known_queues(self.database, self.statements)).union(self.declared()))
+        names = sorted(set(admin.known_queues(self.reader, self.statements)).union(self.declared()))
         if not queue and names:
             queue = names[0]
         if queue and queue not in names:
@@ -492,7 +496,7 @@ class Dashboard:
             return self.layout("Messages", form + "<p>No queues yet.</p>")
         check_queue(queue)
         page = admin.list_messages(
-            self.database, self.statements, queue, state, actor=actor or None, after=query.get("after"), limit=PAGE_SIZE
+            self.reader, self.statements, queue, state, actor=actor or None, after=query.get("after"), limit=PAGE_SIZE
         )
         when = {"queued": "due", "running": "lease until", "done": "claimed"}.get(state, "due")
         heads = [
@@ -553,7 +557,7 @@ class Dashboard:
 
     def message_page(self, message_id: str, query: dict[str, str]) -> str:
         message_id = admin.check_message_id(urllib.parse.unquote(message_id))
-        info = admin.inspect(self.database, self.statements, message_id)
+        info = admin.inspect(self.reader, self.statements, message_id)
         if info is None:
             raise HTTPError("404 Not Found", f"no message {message_id} (unknown, or finished longer ago than kept)")
         here = f"/message/{message_id}"
@@ -772,6 +776,7 @@ def dashboard_app(
         allowed_hosts=allowed_hosts,
         auth=auth,
         declared=broker.get_declared_queues,
+        reader=getattr(broker, "reader", None),
     )
 
 

@@ -34,7 +34,7 @@ from .conditions import Condition
 from .doorbell import Doorbell
 from .errors import SchemaError, ServerUnwritable, as_lost, describe_failure, lost_connection, unwritable
 from .interrupt import shielded
-from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, server_for, where
+from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, server_for, where
 
 T = TypeVar("T")
 
@@ -70,13 +70,17 @@ def connection_kwargs(connect_timeout: int, *, prepare: bool = True) -> dict[str
     return kwargs
 
 
-def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str, prepare: bool = True) -> ConnectionPool:
+def new_pool(
+    url: str, *, max_size: int, connect_timeout: int, name: str, prepare: bool = True, reads: bool = False
+) -> ConnectionPool:
     """An opened pool of autocommit connections, for this process only (not fork-safe).
 
     ``prepare=False``: never prepare statements (see :func:`connection_kwargs`).
     It reconnects at a steady pace after an outage (see reconnect.py), not
-    after psycopg_pool's doubling backoff.
+    after psycopg_pool's doubling backoff.  ``reads=True``: a pool that only
+    reads, whose server may be a standby (:func:`.reconnect.check_readable`).
     """
+    extra: dict[str, Any] = {"check": check_readable} if reads else {}
     pool = PacedPool(
         url,
         min_size=1,
@@ -85,6 +89,7 @@ def new_pool(url: str, *, max_size: int, connect_timeout: int, name: str, prepar
         timeout=connect_timeout * 2,
         open=False,
         name=f"dramatiq-pg-{name}-{os.getpid()}",
+        **extra,
     )
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # we report connection failures ourselves
     pool.open(wait=False)
@@ -121,6 +126,9 @@ class Database:
       prepare: ``False`` turns psycopg's server-side prepared statements off
         in the pool made from ``url`` (behind PgBouncer in transaction pooling).
       name: for the pool's name in logs.
+      reads: only reads go through it (operators' reads from a replica: the
+        broker's ``read_url``): its server may be a hot standby, which is no
+        reason to drop a connection (see :func:`.reconnect.check_readable`).
     """
 
     def __init__(
@@ -133,6 +141,7 @@ class Database:
         pool_max_size: int,
         prepare: bool = True,
         name: str = "broker",
+        reads: bool = False,
     ) -> None:
         self.url = url or ""
         if self.url:
@@ -146,6 +155,7 @@ class Database:
         self.pool_max_size = pool_max_size
         self.prepare = prepare
         self.name = name
+        self.reads = reads
         self._lock = threading.Lock()
         self._local: _ProcessLocal | None = None
         #: The schema is missing or old: said once (then once a minute), not by every part on every try.
@@ -164,6 +174,7 @@ class Database:
                         connect_timeout=self.connect_timeout,
                         name=self.name,
                         prepare=self.prepare,
+                        reads=self.reads,
                     )
                     local = self._local = _ProcessLocal(pool, owns_pool=self.given_pool is None)
         return local
@@ -237,7 +248,7 @@ class Database:
                 try:
                     yield conn
                 except psycopg.Error as e:
-                    if not unwritable(e):
+                    if not unwritable(e) or self.reads:  # a reader that wrote: a bug, not a failover
                         raise
                     self.drop_unwritable(conn, e)
                     lost = as_lost(e)
@@ -282,7 +293,7 @@ class Database:
                     raise
                 if server.down and now - start > 1.2 * RETRY_INTERVAL:
                     raise psycopg.OperationalError(server.cause) from None
-                if server.read_only and now - start > 1.2 * RETRY_INTERVAL:
+                if server.read_only and not self.reads and now - start > 1.2 * RETRY_INTERVAL:
                     raise ServerUnwritable(server.read_only) from None
         try:
             yield conn

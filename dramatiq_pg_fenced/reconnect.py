@@ -31,12 +31,22 @@ for it.  Here, every connection a process makes to one server goes through one
 - The pools check a connection on checkout (:func:`check_connection`): for free
   when it was handed out within :data:`CHECK_IDLE` seconds, with one round trip
   when it was idle longer, so a demoted or dead server is left within seconds.
+  A pool that only reads, from a replica (``read_url``), is checked the same way
+  for a dead server, but a server that takes no writes is what it wants
+  (:func:`check_readable`).
+- Every connection made here has TCP keepalives and a TCP user timeout
+  (:data:`TCP_DEFAULTS`, unless its URL sets them): a server that stops
+  answering without closing the socket (its host died, a firewall or NAT
+  forgot the connection, a failover moved its address) fails the statement
+  waiting on it within about 10 s, where the operating system's defaults
+  would wait two hours for a reply, or 15 minutes for an acknowledgement.
 
 Imports nothing of ours.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -61,6 +71,18 @@ _MIN_GAP = 0.8 * RETRY_INTERVAL
 REMINDER_INTERVAL = 60.0
 #: A pooled connection not handed out for this many seconds is checked with a round trip on checkout.
 CHECK_IDLE = 2.0
+#: libpq's TCP settings on every connection made here, each unless the URL (or connection string)
+#: sets it: a connection whose server stops answering without closing it (a blackholed socket) fails
+#: after 5 s of silence and 3 unanswered probes 2 s apart (keepalives: a statement waiting for its
+#: reply), or after 10 s of data sent and not acknowledged (``tcp_user_timeout``, in ms; libpq 12+).
+#: Linux's own: keepalives after two hours; unacknowledged data retried for about 15 minutes.
+TCP_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "10000",
+}
 
 C = TypeVar("C")
 
@@ -279,9 +301,25 @@ def reports_read_only(conn: psycopg.Connection[Any]) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=32)
+def _tcp_defaults(conninfo: str, libpq: int) -> tuple[tuple[str, str], ...]:
+    try:
+        given = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        return ()  # the connection attempt says what is wrong with it
+    unknown = {"tcp_user_timeout"} if libpq < 120000 else set()
+    return tuple((k, v) for k, v in TCP_DEFAULTS.items() if k not in given and k not in unknown)
+
+
+def tcp_defaults(conninfo: str) -> dict[str, str]:
+    """The :data:`TCP_DEFAULTS` that *conninfo* does not set (libpq before 12: no ``tcp_user_timeout``)."""
+    return dict(_tcp_defaults(conninfo, psycopg.pq.version()))
+
+
 class PacedConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose ``connect`` goes through the :class:`Server` it names, and which
-    remembers that server's generation (see :meth:`Server.unwritable`) and when it was last checked."""
+    """A psycopg connection whose ``connect`` goes through the :class:`Server` it names, with
+    :data:`TCP_DEFAULTS` the URL does not set, and which remembers that server's generation (see
+    :meth:`Server.unwritable`) and when it was last checked."""
 
     server: Server
     generation: int
@@ -291,6 +329,7 @@ class PacedConnection(psycopg.Connection[Any]):
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
         server = server_for(conninfo)
         generation = server.generation
+        kwargs = {**tcp_defaults(conninfo), **kwargs}
         conn = server.connect(lambda: super(PacedConnection, cls).connect(conninfo, **kwargs))
         conn.server, conn.generation, conn.checked_at = server, generation, time.monotonic()
         if not reports_read_only(conn):
@@ -326,6 +365,23 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
         raise psycopg.OperationalError("connection to a server that takes no writes")
 
 
+def check_readable(conn: psycopg.Connection[Any]) -> None:
+    """The check on checkout of a pool that only reads (operators' reads from a replica: ``read_url``):
+    as :func:`check_connection` for a dead server (one round trip when the connection was not handed
+    out for :data:`CHECK_IDLE` seconds), but a server that takes no writes is what it wants; it
+    neither drops the connection nor says anything about that server."""
+    if not isinstance(conn, PacedConnection):
+        return
+    now = time.monotonic()
+    if now - conn.checked_at > CHECK_IDLE:
+        try:
+            conn.execute(b"")
+        except psycopg.Error:
+            conn.close()
+            raise
+    conn.checked_at = now
+
+
 class PacedPool(ConnectionPool):
     """psycopg_pool's ``ConnectionPool``, reconnecting every :data:`RETRY_INTERVAL` at the longest
     (jittered) instead of after its doubling backoff, its attempts paced per server.
@@ -349,13 +405,16 @@ class PacedPool(ConnectionPool):
 __all__ = [
     "CHECK_IDLE",
     "RETRY_INTERVAL",
+    "TCP_DEFAULTS",
     "REMINDER_INTERVAL",
     "PacedConnection",
     "PacedPool",
     "Server",
     "check_connection",
+    "check_readable",
     "connect_failure",
     "reports_read_only",
     "server_for",
+    "tcp_defaults",
     "where",
 ]

@@ -27,6 +27,7 @@ from dramatiq.middleware import MiddlewareError
 from . import migrations
 from .database import Database, connection_kwargs
 from .errors import SchemaError
+from .reconnect import tcp_defaults
 
 
 class StartupError(MiddlewareError, ConnectionClosed):
@@ -81,9 +82,11 @@ def check(database: Database) -> str | None:
     ``None`` if it is ready, or why it cannot be reached now (that is waited for).  One connection of
     its own, not the pool's (whose attempts would announce an outage and try again)."""
     try:
-        with psycopg.connect(
-            database.conninfo, **connection_kwargs(database.connect_timeout, prepare=database.prepare)
-        ) as conn:
+        kwargs = {
+            **tcp_defaults(database.conninfo),
+            **connection_kwargs(database.connect_timeout, prepare=database.prepare),
+        }
+        with psycopg.connect(database.conninfo, **kwargs) as conn:
             migrations.check(conn, database.schema, url_hint=database.safe_url())
     except SchemaError as e:
         raise StartupError(f"Cannot start: {e}") from None
