@@ -101,6 +101,8 @@ class DjangoPostgresBroker(PostgresBroker):
                 pool_max_size=given.pool_max_size,
                 prepare=given.prepare,
             )
+            if self.reader is given:  # no read_url: operators' reads go where the writes go
+                self.reader = self.database
         if migrate:
             post_migrate.connect(self._migrate_with_django, weak=False, dispatch_uid=f"dramatiq_pg_fenced-{id(self)}")
         self._migrated: str | None = None
