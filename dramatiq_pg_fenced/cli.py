@@ -388,12 +388,7 @@ def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
     server = make_dashboard_server(app, args.host, args.port)
     where = netloc(args.host, server.server_port)
     print(f"metrics of schema {broker.schema!r} on http://{where}/metrics", file=sys.stderr)
-    _note_wildcard(args)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
-    return OK
+    return _serve(server, args)
 
 
 def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
@@ -407,6 +402,11 @@ def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     mode = ("actions on" if args.actions else "read-only") + (", authentication on" if auth else "")
     where = netloc(args.host, server.server_port)
     print(f"dashboard of schema {broker.schema!r} ({mode}) on http://{where}/", file=sys.stderr)
+    return _serve(server, args)
+
+
+def _serve(server: Any, args: argparse.Namespace) -> int:
+    """Serve until interrupted (after the note on a wildcard bind without --allow-host)."""
     _note_wildcard(args)
     try:
         server.serve_forever()

@@ -662,15 +662,19 @@ def _tally(column: str) -> str:
     )"""
 
 
-def _ack(*, keep: bool, relaxed: bool = False) -> str:
-    returning = (
+def _finished(keep: bool) -> str:
+    """What an ack's delete returns: with *keep*, the columns its history row takes (_KEEP)."""
+    return (
         "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
         " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
         if keep
         else "RETURNING m.message_id, m.delivery, m.queue_name"
     )
+
+
+def _ack(*, keep: bool, relaxed: bool = False) -> str:
     return f"""
-        WITH finished AS ({_ack_delete(relaxed=relaxed)} {returning}),
+        WITH finished AS ({_ack_delete(relaxed=relaxed)} {_finished(keep)}),
         {_KEEP if keep else ""}
         {_tally("done")}
         SELECT message_id, delivery FROM finished
@@ -689,14 +693,8 @@ def _ack(*, keep: bool, relaxed: bool = False) -> str:
 def _fenced_ack(*, keep: bool) -> str:
     # Not counted in the throughput tally here: every block of a process would wait for the one
     # before it to commit (they update the same tally row); committed_done counts them, batched.
-    returning = (
-        "RETURNING m.message_id, m.delivery, m.seq, m.queue_name, m.actor_name, m.priority, m.attempt,"
-        " m.enqueued_at, m.claimed_at, m.consumer_id, m.last_error, m.payload"
-        if keep
-        else "RETURNING m.message_id, m.delivery, m.queue_name"
-    )
     return f"""
-        WITH finished AS ({_ack_delete(relaxed=False)} {returning}),
+        WITH finished AS ({_ack_delete(relaxed=False)} {_finished(keep)}),
         {_KEEP if keep else ""}
         marked AS (
             INSERT INTO {{schema}}.committed (delivery, message_id, queue_name)
