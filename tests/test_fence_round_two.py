@@ -241,3 +241,23 @@ def test_with_ack_inside_an_outbox_transaction_is_refused(
             job.send()
     assert count(broker, "job") == 0
 
+
+
+def test_an_exception_whose_text_no_column_takes_still_rides_its_nack(dramatiq_pg_broker_factory: Factory) -> None:
+    """One more hostile input than the issue named: a NUL byte and a lone surrogate in the exception
+    that rides the dead letter.  The nack applies, the message is dead, and get_result raises it."""
+    broker = dramatiq_pg_broker_factory()
+    backend = with_results(broker)
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def nasty() -> None:
+        raise ValueError("nul \x00 and a lone \ud800 surrogate")
+
+    with running_worker(broker, threads=1):
+        message = nasty.send()
+        broker.join("default", timeout=10_000, fail_fast=False)
+        assert broker.flush_outcomes(10)
+    assert query(broker, "SELECT state FROM {schema}.message") == [("dead",)]
+    with pytest.raises(ResultFailure) as failure:
+        backend.get_result(message)
+    assert failure.value.orig_exc_type == "ValueError" and "surrogate" in failure.value.orig_exc_msg
