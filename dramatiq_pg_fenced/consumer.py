@@ -433,10 +433,10 @@ class PostgresConsumer(Consumer):
             result=None if nack else message.pending_result,
         )
         outcome.committed = message.committed
-        if failed_after_commit and self.stored_exception is not None:
-            outcome.result = self.stored_exception(message)  # the actor's error is its result: it failed
-        if nack and outcome.kind is Write.NACK and self.stored_exception is not None:
-            outcome.result = self.stored_exception(message)  # only if this nack applies, in its transaction
+        if self.stored_exception is not None and (failed_after_commit or (nack and outcome.kind is Write.NACK)):
+            # Rides this nack, only if it applies, in its transaction; after a committed fenced
+            # transaction, the failure is the result of the ack it committed.
+            outcome.result = self.stored_exception(message)
         outcome.follow_ups, outcome.countdowns = message.follow_ups, message.countdowns
         if message.ack_sends:
             if outcome.kind is Write.ACK:
