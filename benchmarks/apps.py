@@ -4,7 +4,8 @@ The same two actors run on every broker; which broker is chosen by
 environment variables, so one module serves ``dramatiq benchmarks.apps``
 for Redis, RabbitMQ and PostgreSQL alike:
 
-``BENCH_BROKER``      ``postgres`` | ``redis`` | ``rabbitmq``
+``BENCH_BROKER``      ``postgres`` | ``redis`` | ``redis-aof`` | ``rabbitmq`` | ``rabbitmq-confirms``
+``BENCH_REDIS_URL``   the Redis server (``redis-aof``: the benchmark's own, ``appendfsync always``)
 ``BENCH_PG_URL``      DSN of the PostgreSQL server (127.0.0.1 only)
 ``BENCH_PG_SCHEMA``   schema of this run
 ``BENCH_PG_OPTIONS``  JSON of extra ``PostgresBroker`` keyword arguments
@@ -38,16 +39,28 @@ def pg_url(url: str, application_name: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-def make_broker(kind: str, *, schema: str = "bench", application_name: str | None = None, **options: Any) -> Broker:
+def make_broker(
+    kind: str,
+    *,
+    schema: str = "bench",
+    application_name: str | None = None,
+    redis_url: str | None = None,
+    **options: Any,
+) -> Broker:
     """A broker of *kind* with Dramatiq's default middleware."""
-    if kind == "redis":
+    if kind in ("redis", "redis-aof"):
         from dramatiq.brokers.redis import RedisBroker
 
-        return RedisBroker(url=REDIS_URL, namespace=REDIS_NAMESPACE)
-    if kind == "rabbitmq":
+        # redis-aof: the same broker on a server of the benchmark's own that fsyncs every write
+        # (``appendfsync always``) before it answers: a durable send, as ours is.
+        if kind == "redis-aof":
+            redis_url = redis_url or os.environ["BENCH_REDIS_URL"]
+        return RedisBroker(url=redis_url or REDIS_URL, namespace=REDIS_NAMESPACE)
+    if kind in ("rabbitmq", "rabbitmq-confirms"):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-        return RabbitmqBroker(url=RABBITMQ_URL)
+        # rabbitmq-confirms: send() returns once the server confirmed the message (publisher confirms).
+        return RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=kind == "rabbitmq-confirms")
     if kind == "postgres":
         from dramatiq_pg_fenced import PostgresBroker
 

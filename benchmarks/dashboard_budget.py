@@ -1,4 +1,5 @@
-"""The dashboard's pages on a big table: how long each takes.
+"""The dashboard's pages on a big table: how long each takes (the console's pages too: search, charts,
+processes, schedules, audit log, a bulk action's question).
 
     python -m benchmarks.dashboard_budget [--url URL] [--queued 1000000]
 
@@ -93,6 +94,18 @@ def main() -> None:
             "one message (dead)": f"/message/{one[0]}" if one else "/",
             "one message (done)": f"/message/{done[0]}" if done else "/",
             "metrics (exact counts)": "/metrics",
+            "search, unfiltered": "/search?go=1",
+            "search, queue and state": "/search?queue=big&state=dead",
+            "search, by id": f"/search?id={one[0]}" if one else "/",
+            "search, args contain [1]": "/search?args=%5B1%5D",
+            "search, args matching none": "/search?args=%5B2%5D",
+            "charts, all queues, last hour": "/charts",
+            "charts, queue big, last day": "/charts?queue=big&span=day",
+            "processes": "/processes",
+            "schedules": "/schedules",
+            "audit log": "/audit",
+            "bulk question: cancel queue big (10,000+)": "/bulk?action=cancel&scope=filter&queue=big",
+            "bulk question: re-drive big's dead": "/bulk?action=redrive&scope=filter&queue=big&state=dead",
         }
         print(f"{args.queued:,} due + {args.queued // 10:,} delayed rows in one queue; median of 5 (ms):")
         for name, path in pages.items():

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(start: tuple) -> dict:
-    return {"from_priority": start[0], "from_at": start[1], "from_seq": start[2]}
+    return {"from_priority": start[0], "from_at": start[1], "from_seq": start[2], "channel": "", "took": None}
 
 
 if __name__ == "__main__":

@@ -2,19 +2,30 @@
 
 One command, one machine, one run::
 
-    python -m benchmarks.run            # full run (about 10 minutes)
-    python -m benchmarks.run --quick    # smoke run (under 2 minutes)
+    python -m benchmarks.run            # full run (about 13 minutes on a shared 2-core VM)
+    python -m benchmarks.run --quick    # smoke run (about 1 minute)
 
 Every broker gets the same no-op actor and real ``dramatiq`` worker
 processes (2 processes x 8 threads).  The brokers take turns, and each
 side-by-side figure is the median of 5 repetitions (the backlog pair runs
 twice; ``--quick``: once each).  The figures, how each is taken:
 
+brokers
+    Ours; Redis and RabbitMQ as Dramatiq configures them by default (Redis
+    without persistence, RabbitMQ publishing without confirms); and their
+    durable kinds (issue 25), the fair comparison for a durable broker:
+    ``redis-aof``, a redis-server this run starts on a free port with
+    ``--appendonly yes --appendfsync always`` (every write fsynced before
+    the reply) and stops at the end, and ``rabbitmq-confirms``,
+    ``RabbitmqBroker(confirm_delivery=True)`` (persistent messages on a
+    durable queue, each send confirmed once it is on disk).
 single send
     ``actor.send()`` in a loop from one thread, no workers running.  Ours
-    commits every send durably (``synchronous_commit = on``); Redis runs
-    here without persistence and RabbitMQ publishes without confirms (both
-    Dramatiq defaults), so neither of theirs is a durable commit.
+    commits every send durably (``synchronous_commit = on``), as the
+    durable peers do; the plain Redis and RabbitMQ do not.
+8-thread send
+    The same from 8 threads of one process at once, messages per second
+    in all.
 bulk enqueue
     The best bulk means each broker has: ours ``broker.enqueue_many`` in
     chunks; Redis a pipeline of Dramatiq's own enqueue script (no
@@ -29,6 +40,7 @@ drain
 idle latency
     With the workers idle, ``stamp.send(time.time())`` at a low steady
     rate; the actor appends ``sent received`` to a file as its first step.
+    Taken in the second round (the first with ``--quick``).
 floors
     What this machine allows at best, beside the brokers in the same run:
     a durable one-row INSERT into a one-column table in a loop (no durable
@@ -65,6 +77,7 @@ import os
 import platform
 import queue
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -91,7 +104,7 @@ from benchmarks import apps  # noqa: E402
 from dramatiq_pg_fenced import PostgresBroker  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-KINDS = ("postgres", "redis", "rabbitmq")
+KINDS = ("postgres", "redis", "redis-aof", "rabbitmq", "rabbitmq-confirms")
 PROCESSES, THREADS = 2, 8
 
 
@@ -249,6 +262,10 @@ class Driver:
     def versions(self) -> dict[str, Any]:
         return {}
 
+    def shutdown(self) -> None:
+        """The end of the run: close, and stop what the driver started."""
+        self.close()
+
 
 class PostgresDriver(Driver):
     kind = "postgres"
@@ -371,7 +388,7 @@ class RedisDriver(Driver):
 
     def fresh(self) -> None:
         if self.broker is None:
-            self.broker = apps.make_broker("redis")
+            self.broker = apps.make_broker(self.kind)
             self.actors = apps.declare(self.broker)
         self.broker.flush_all()
 
@@ -397,26 +414,90 @@ class RedisDriver(Driver):
         return int(self.broker.do_qsize(apps.QUEUE)) == 0
 
     def server_pids(self) -> list[int]:
-        return pids_named("redis-server")
+        # This server's own process (the machine may run more than one redis-server: redis-aof's).
+        return [int(self.broker.client.info("server")["process_id"])]
 
     def versions(self) -> dict[str, Any]:
         info = self.broker.client.info("server")
-        persistence = self.broker.client.config_get("appendonly") | self.broker.client.config_get("save")
-        return {"redis": {"version": info.get("redis_version"), **persistence}}
+        persistence = {}
+        for name in ("appendonly", "appendfsync", "save"):
+            persistence |= self.broker.client.config_get(name)
+        return {self.kind: {"version": info.get("redis_version"), **persistence}}
+
+
+class RedisAofDriver(RedisDriver):
+    """Dramatiq's ``RedisBroker`` on a redis-server of the benchmark's own, started on a free port with
+    ``--appendonly yes --appendfsync always`` (every write fsynced before the reply: a durable send) and
+    stopped at the end; the shared server's configuration is never touched."""
+
+    kind = "redis-aof"
+
+    def __init__(self, plan: Plan, tmp: Path) -> None:
+        super().__init__(plan, tmp)
+        self.dir = tmp / "redis-aof"
+        self.dir.mkdir(exist_ok=True)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_file = open(tmp / "redis-aof.log", "w")  # noqa: SIM115 (closed in shutdown)
+        self.server = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
+            + ["--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def up() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+            return False
+
+        if not wait_until(up, timeout=10, interval=0.05):
+            self.shutdown()
+            raise RuntimeError(f"redis-aof: redis-server did not listen on {self.port} within 10 s")
+
+    def fresh(self) -> None:
+        if self.broker is None:
+            self.broker = apps.make_broker(self.kind, redis_url=self.url)
+            self.actors = apps.declare(self.broker)
+        self.broker.flush_all()
+
+    def worker_env(self) -> dict[str, str]:
+        return {"BENCH_BROKER": self.kind, "BENCH_REDIS_URL": self.url}
+
+    def shutdown(self) -> None:
+        self.close()
+        if self.server.poll() is None:
+            self.server.terminate()
+            try:
+                self.server.wait(10)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait(10)
+        self.log_file.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class RabbitmqDriver(Driver):
     kind = "rabbitmq"
 
     def fresh(self) -> None:
-        if self.broker is None:
-            self.broker = apps.make_broker("rabbitmq")
-            self.actors = apps.declare(self.broker)
-            self.broker.declare_queue(apps.QUEUE, ensure=True)
+        # A new connection each time: pika's blocking connection answers no heartbeats while it waits, and
+        # RabbitMQ closes one left idle while the other brokers take their turns.
+        self.close()
+        self.broker = apps.make_broker(self.kind)
+        self.actors = apps.declare(self.broker)
+        self.broker.declare_queue(apps.QUEUE, ensure=True)
         self.broker.flush_all()
 
     def bulk(self, messages: list[Message]) -> None:
-        """RabbitMQ has no batch publish; without confirms a loop is already pipelined."""
+        """RabbitMQ has no batch publish; without confirms a loop is already pipelined (with them, each
+        send waits for its confirm)."""
         for message in messages:
             self.broker.enqueue(message)
 
@@ -433,11 +514,27 @@ class RabbitmqDriver(Driver):
         props = self.broker.connection._impl.server_properties
         version = props.get("version", b"")
         return {
-            "rabbitmq": {
+            self.kind: {
                 "version": version.decode() if isinstance(version, bytes) else version,
-                "confirm_delivery": False,
+                "confirm_delivery": self.broker.confirm_delivery,
             }
         }
+
+
+class RabbitmqConfirmsDriver(RabbitmqDriver):
+    """Dramatiq's ``RabbitmqBroker(confirm_delivery=True)``: each send() waits for the server's publisher
+    confirm (persistent messages on a durable queue: confirmed once written to disk).  The same server as
+    ``rabbitmq``; the two take turns on the one queue, emptied before each measurement."""
+
+    kind = "rabbitmq-confirms"
+
+
+DRIVERS: dict[str, type[Driver]] = {
+    "redis": RedisDriver,
+    "redis-aof": RedisAofDriver,
+    "rabbitmq": RabbitmqDriver,
+    "rabbitmq-confirms": RabbitmqConfirmsDriver,
+}
 
 
 # -- measurements ---------------------------------------------------------------
@@ -445,6 +542,41 @@ def measure_single(driver: Driver, plan: Plan) -> float:
     send = driver.actors["noop"].send
     send()  # warm the connection
     return _loop_rate(plan, send)
+
+
+SEND_THREADS = 8
+
+
+def measure_threaded(driver: Driver, plan: Plan, threads: int = SEND_THREADS) -> float:
+    """Messages per second in all, *threads* threads each calling ``send()`` in a loop (a web server's
+    request threads sending at once) for ``single_seconds`` or ``single_max`` sends each."""
+    send = driver.actors["noop"].send
+    send()  # warm the connection
+    counts = [0] * threads
+    failed: list[BaseException] = []
+    go = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        try:
+            go.wait()
+            end = time.perf_counter() + plan.single_seconds
+            while counts[i] < plan.single_max and time.perf_counter() < end:
+                send()
+                counts[i] += 1
+        except BaseException as e:  # reported by the caller's thread
+            failed.append(e)
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    go.wait()
+    start = time.perf_counter()
+    for thread in workers:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    if failed:
+        raise failed[0]
+    return sum(counts) / elapsed
 
 
 def measure_bulk(driver: Driver, n: int) -> float:
@@ -562,12 +694,18 @@ def running_workers(driver: Driver, log_path: Path, extra: dict[str, str] | None
 
 # -- the run -------------------------------------------------------------------
 def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, Any]) -> None:
-    per: dict[str, dict[str, list[Any]]] = {d.kind: {"single": [], "bulk": [], "drain": []} for d in drivers}
+    per: dict[str, dict[str, list[Any]]] = {
+        d.kind: {"single": [], "threaded": [], "bulk": [], "drain": []} for d in drivers
+    }
+    # The idle latencies are taken once, in the second round: every server has had a round's load by then.
+    latency_round = min(1, plan.repeats - 1)
     for rep in range(plan.repeats):
         for driver in drivers:
             kind = driver.kind
             driver.fresh()
             single = measure_single(driver, plan)
+            driver.fresh()
+            threaded = measure_threaded(driver, plan)
             driver.fresh()
             bulk = measure_bulk(driver, plan.backlog)
             # RabbitMQ publishes without confirms: wait until the broker holds the whole backlog,
@@ -576,20 +714,22 @@ def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, An
             lat_path = tmp / f"latency-{kind}-{rep}.txt"
             with running_workers(driver, tmp / f"workers-{kind}-{rep}.log", {"BENCH_LATENCY_FILE": str(lat_path)}) as w:
                 drain = measure_drain(driver, w, plan.backlog, timeout=max(120.0, plan.backlog / 200))
-                latency = measure_latency(driver, plan, lat_path) if rep == 0 else None
-                if rep == 0 and isinstance(driver, PostgresDriver):
+                latency = measure_latency(driver, plan, lat_path) if rep == latency_round else None
+                if rep == latency_round and isinstance(driver, PostgresDriver):
                     relaxed = driver.relaxed_latency(lat_path)
                     out["brokers"][kind]["latency_relaxed_enqueue"] = relaxed
                     log(
                         f"postgres idle latency with synchronous_commit=False sends: p50 {relaxed['p50_ms']:.2f} ms p99 {relaxed['p99_ms']:.2f} ms"
                     )
             per[kind]["single"].append(single)
+            per[kind]["threaded"].append(threaded)
             per[kind]["bulk"].append(bulk)
             per[kind]["drain"].append(drain)
             if latency is not None:
                 out["brokers"][kind]["latency"] = latency
             log(
-                f"rep {rep + 1}/{plan.repeats} {kind:9s} single {single:8.0f}/s  bulk {bulk:8.0f}/s  "
+                f"rep {rep + 1}/{plan.repeats} {kind:17s} single {single:7.0f}/s  {SEND_THREADS} threads {threaded:7.0f}/s  "
+                f"bulk {bulk:7.0f}/s  "
                 f"drain {drain.rate:8.0f}/s ({drain.seconds:.2f} s, start-up {drain.startup:.2f} s, "
                 f"CPU/msg {drain.worker_cpu_us:.0f}+{drain.server_cpu_us:.0f} us)"
                 + (f"  latency p50 {latency['p50_ms']:.2f} ms p99 {latency['p99_ms']:.2f} ms" if latency else "")
@@ -599,6 +739,7 @@ def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, An
         out["brokers"][kind].update(
             {
                 "single_send_per_s": statistics.median(figures["single"]),
+                "threaded_send_per_s": statistics.median(figures["threaded"]),
                 "bulk_enqueue_per_s": statistics.median(figures["bulk"]),
                 "drain_per_s": statistics.median(d.rate for d in drains),
                 "worker_startup_s": statistics.median(d.startup for d in drains),
@@ -606,6 +747,8 @@ def side_by_side(drivers: list[Driver], plan: Plan, tmp: Path, out: dict[str, An
                 "server_cpu_us_per_msg": statistics.median(d.server_cpu_us for d in drains),
                 "runs": {
                     "single_send_per_s": figures["single"],
+                    "threaded_send_per_s": figures["threaded"],
+                    "worker_startup_s": [d.startup for d in drains],
                     "bulk_enqueue_per_s": figures["bulk"],
                     "drain_per_s": [d.rate for d in drains],
                     "drain_seconds": [d.seconds for d in drains],
@@ -714,6 +857,18 @@ def floors(url: str, plan: Plan) -> dict[str, Any]:
                 rate_ringing = _loop_rate(
                     plan, lambda: conn.execute(insert_ringing, (uuid.uuid4(), payload, "bench_floor_nobody", "x"))
                 )
+                # From SEND_THREADS sessions at once: PostgreSQL holds a lock from a NOTIFY's commit to its WAL
+                # flush, so transactions that notify commit one at a time (no group commit among them).
+                threaded = _threaded_rate(
+                    url,
+                    plan,
+                    lambda c: c.execute(insert_message, (uuid.uuid4(), payload)),
+                )
+                threaded_ringing = _threaded_rate(
+                    url,
+                    plan,
+                    lambda c: c.execute(insert_ringing, (uuid.uuid4(), payload, "bench_floor_nobody", "x")),
+                )
                 time.sleep(1.0)
                 paced, delivered, rung, handed = [], [], [], []
                 for _ in range(min(plan.latency_count, 100)):
@@ -737,6 +892,8 @@ def floors(url: str, plan: Plan) -> dict[str, Any]:
         "durable_insert_per_s": rate,
         "durable_insert_message_table_per_s": rate_message,
         "durable_insert_message_table_notify_per_s": rate_ringing,
+        "durable_insert_message_table_threads_per_s": threaded,
+        "durable_insert_message_table_notify_threads_per_s": threaded_ringing,
         "durable_insert_paced_p50_ms": percentile(sorted(paced), 50),
         "insert_then_claim_paced_p50_ms": percentile(sorted(delivered), 50),
         "insert_notify_claim_paced_p50_ms": percentile(sorted(rung), 50),
@@ -790,6 +947,30 @@ def _rung_claim(
     if not handed:
         raise RuntimeError("floor: the notification of a committed insert did not arrive within 5 s")
     return (claimed[0] - t) * 1000, (handed[0] - t) * 1000
+
+
+def _threaded_rate(url: str, plan: Plan, call: Callable[[psycopg.Connection], Any]) -> float:
+    """Calls per second in all, SEND_THREADS threads each on a connection of its own, for ``single_seconds``."""
+    conns = [psycopg.connect(apps.pg_url(url, "bench-floor-threads"), autocommit=True) for _ in range(SEND_THREADS)]
+    counts = [0] * SEND_THREADS
+
+    def loop(i: int) -> None:
+        end = time.perf_counter() + plan.single_seconds
+        while counts[i] < plan.single_max and time.perf_counter() < end:
+            call(conns[i])
+            counts[i] += 1
+
+    try:
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(SEND_THREADS)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sum(counts) / (time.perf_counter() - start)
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 def _loop_rate(plan: Plan, call: Callable[[], Any]) -> float:
@@ -946,6 +1127,54 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         higher=False,
         bound=startup_bound,
     )
+    # Issue 25: against the durable peers (a durable broker's fair comparison), and the latency floor.
+    add("drain vs Redis-AOF (appendfsync always)", ratio("postgres", "redis-aof", "drain_per_s"), 2.0, "x")
+    add("drain vs RabbitMQ-confirms", ratio("postgres", "rabbitmq-confirms", "drain_per_s"), 2.0, "x")
+    add(
+        "single send vs Redis-AOF",
+        ratio("postgres", "redis-aof", "single_send_per_s"),
+        1.0,
+        "x",
+        bound=over(floor.get("durable_insert_message_table_notify_per_s"), "redis-aof", "single_send_per_s"),
+    )
+    add(
+        f"{SEND_THREADS}-thread send vs Redis-AOF",
+        ratio("postgres", "redis-aof", "threaded_send_per_s"),
+        1.0,
+        "x",
+        bound=over(floor.get("durable_insert_message_table_notify_threads_per_s"), "redis-aof", "threaded_send_per_s"),
+    )
+    ours_p50 = latency("postgres", "p50_ms")
+    add(
+        "idle latency p50 vs the floor (NOTIFY-woken claim and hand-off)",
+        None if ours_p50 is None or not paced else ours_p50 / paced,
+        1.2,
+        "x",
+        higher=False,
+        bound=None if paced is None else 1.0,
+    )
+    confirms_p99 = latency("rabbitmq-confirms", "p99_ms")
+    ours_p99 = latency("postgres", "p99_ms")
+    add(
+        "idle latency p99 vs RabbitMQ-confirms",
+        None if ours_p99 is None or not confirms_p99 else ours_p99 / confirms_p99,
+        2.0,
+        "x",
+        higher=False,
+    )
+    aof_startup = b.get("redis-aof", {}).get("worker_startup_s")
+    aof_bound = None
+    if aof_startup and imports.get("postgres") is not None and imports.get("redis") is not None:
+        # Redis-AOF's start-up with its imports swapped for the least a psycopg-based broker imports.
+        aof_bound = (aof_startup - imports["redis"] + imports["postgres"]) / aof_startup
+    add(
+        "worker start-up vs Redis-AOF",
+        ratio("postgres", "redis-aof", "worker_startup_s"),
+        1.0,
+        "x",
+        higher=False,
+        bound=aof_bound,
+    )
     backlog = out.get("backlog")
     if backlog:
         small, big = backlog[str(plan.small)], backlog[str(plan.big)]
@@ -994,6 +1223,7 @@ def table(out: dict[str, Any]) -> str:
         rows.append((label, [fmt(key(out["brokers"][k]), digits) for k in kinds]))
 
     row("single send() msg/s", lambda f: f.get("single_send_per_s"))
+    row(f"send() from {SEND_THREADS} threads, msg/s in all", lambda f: f.get("threaded_send_per_s"))
     row("bulk enqueue msg/s", lambda f: f.get("bulk_enqueue_per_s"))
     row(f"drain {out['plan']['backlog'] // 1000}k backlog msg/s", lambda f: f.get("drain_per_s"))
     row("worker start-up s (not in drain)", lambda f: f.get("worker_startup_s"), 2)
@@ -1006,7 +1236,13 @@ def table(out: dict[str, Any]) -> str:
     row("idle latency p50 / p99 ms, relaxed sends", lambda f: _pair(f.get("latency_relaxed_enqueue")))
     row("peak worker RSS MB/process", lambda f: f.get("peak_rss_mb_per_process"), 1)
     row("DB connections/process", lambda f: f.get("connections_per_process"))
-    names = {"postgres": "PostgresBroker (ours)", "redis": "RedisBroker", "rabbitmq": "RabbitmqBroker"}
+    names = {
+        "postgres": "PostgresBroker (ours, durable)",
+        "redis": "RedisBroker (no persistence)",
+        "redis-aof": "RedisBroker, appendfsync always (durable)",
+        "rabbitmq": "RabbitmqBroker (no confirms)",
+        "rabbitmq-confirms": "RabbitmqBroker, publisher confirms (durable)",
+    }
     lines = ["| figure | " + " | ".join(names[k] for k in kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
     relaxed = out["brokers"].get("postgres", {}).get("single_send_relaxed_per_s")
@@ -1040,6 +1276,9 @@ def table(out: dict[str, Any]) -> str:
             f" | {fmt(floor['durable_insert_message_table_per_s'])} /s |",
             "| the same INSERT with a NOTIFY in its statement (nobody listening), in a loop"
             f" | {fmt(floor['durable_insert_message_table_notify_per_s'])} /s |",
+            f"| that INSERT from {SEND_THREADS} sessions at once, without / with the NOTIFY, in all"
+            f" | {fmt(floor['durable_insert_message_table_threads_per_s'])} / "
+            f"{fmt(floor['durable_insert_message_table_notify_threads_per_s'])} /s |",
             "| paced: that INSERT, then the row claimed by id from a second session (no disk wait), p50"
             f" | {floor['insert_then_claim_paced_p50_ms']:.2f} ms |",
             "| paced: that INSERT with a NOTIFY, the row claimed by a thread the notification woke, p50"
@@ -1068,25 +1307,40 @@ def chart(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kinds = [k for k in KINDS if k in out["brokers"]]
-    labels = {"postgres": "Postgres\n(ours)", "redis": "Redis", "rabbitmq": "RabbitMQ"}
-    colors = {"postgres": "#336791", "redis": "#d82c20", "rabbitmq": "#ff6600"}
+    labels = {
+        "postgres": "Postgres\n(ours)",
+        "redis": "Redis",
+        "redis-aof": "Redis\nAOF always",
+        "rabbitmq": "RabbitMQ",
+        "rabbitmq-confirms": "RabbitMQ\nconfirms",
+    }
+    colors = {
+        "postgres": "#336791",
+        "redis": "#d82c20",
+        "redis-aof": "#8c1c13",
+        "rabbitmq": "#ff6600",
+        "rabbitmq-confirms": "#b34700",
+    }
     b = out["brokers"]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
 
-    def bars(ax: Any, key: str, title: str, unit: str) -> None:
+    def bars(ax: Any, key: str, title: str, unit: str, digits: int = 0) -> None:
         values = [b[k].get(key) or 0 for k in kinds]
-        ax.bar([labels[k] for k in kinds], values, color=[colors[k] for k in kinds])
+        ax.bar(range(len(kinds)), values, color=[colors[k] for k in kinds])
+        ax.set_xticks(range(len(kinds)), [labels[k] for k in kinds], fontsize=8)
         for i, v in enumerate(values):
-            ax.annotate(f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=9)
-        ax.set_title(title)
+            ax.annotate(f"{v:,.{digits}f}", (i, v), ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit)
 
-    bars(axes[0][0], "single_send_per_s", "single send() (ours: durable commit each)", "messages/s")
-    bars(axes[0][1], "bulk_enqueue_per_s", "bulk enqueue (best means each)", "messages/s")
+    bars(axes[0][0], "single_send_per_s", "single send() (ours, AOF, confirms: durable)", "messages/s")
+    bars(axes[0][1], "threaded_send_per_s", f"send() from {SEND_THREADS} threads, in all", "messages/s")
+    bars(axes[0][2], "bulk_enqueue_per_s", "bulk enqueue (best means each)", "messages/s")
     if "postgres" in b:
-        axes[0][1].axhline(50_000, color="gray", ls="--", lw=1, label="target 50k/s")
-        axes[0][1].legend(loc="upper right", fontsize=8)
-    bars(axes[0][2], "drain_per_s", f"drain, {out['plan']['backlog']:,}-message backlog", "messages/s")
+        axes[0][2].axhline(50_000, color="gray", ls="--", lw=1, label="target 50k/s")
+        axes[0][2].legend(loc="upper right", fontsize=8)
+    bars(axes[0][3], "drain_per_s", f"drain, {out['plan']['backlog']:,}-message backlog", "messages/s")
+    bars(axes[1][1], "worker_startup_s", "worker start-up (to the first message)", "s", 2)
 
     ax = axes[1][0]
     width = 0.38
@@ -1095,12 +1349,14 @@ def chart(out: dict[str, Any], path: Path) -> None:
         xs = [i + (j - 0.5) * width for i in range(len(kinds))]
         ax.bar(xs, values, width, label=name, color=[colors[k] for k in kinds], alpha=1.0 if j == 0 else 0.55)
         for x, v in zip(xs, values, strict=True):
-            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(kinds)), [labels[k] for k in kinds])
-    rabbit = b.get("rabbitmq", {}).get("latency", {})
-    if rabbit:
-        ax.axhline(rabbit["p50_ms"], color="gray", ls="--", lw=1, label="target p50: RabbitMQ's")
-        ax.axhline(2 * rabbit["p99_ms"], color="gray", ls=":", lw=1, label="target p99: 2x RabbitMQ's")
+            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(kinds)), [labels[k] for k in kinds], fontsize=8)
+    floor = (out.get("floors") or {}).get("insert_notify_claim_handoff_paced_p50_ms")
+    if floor:
+        ax.axhline(1.2 * floor, color="gray", ls="--", lw=1, label="target p50: 1.2x the floor")
+    confirms = b.get("rabbitmq-confirms", {}).get("latency", {})
+    if confirms:
+        ax.axhline(2 * confirms["p99_ms"], color="gray", ls=":", lw=1, label="target p99: 2x RabbitMQ-confirms'")
     ax.set_yscale("log")
     ax.set_title(f"idle latency send->actor start ({out['plan']['latency_rate']:.0f} msg/s)")
     ax.set_ylabel("ms (log)")
@@ -1109,7 +1365,7 @@ def chart(out: dict[str, Any], path: Path) -> None:
     backlog = out.get("backlog")
     if backlog:
         ns = list(backlog)
-        ax = axes[1][1]
+        ax = axes[1][2]
         rates = [backlog[n]["drain_per_s"] for n in ns]
         ax.bar([f"{int(n):,}" for n in ns], rates, color=colors["postgres"])
         for i, v in enumerate(rates):
@@ -1118,7 +1374,7 @@ def chart(out: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("messages/s")
         ax.set_xlabel("backlog (messages)")
 
-        ax = axes[1][2]
+        ax = axes[1][3]
         rss = [max(backlog[n]["peak_rss_mb_per_process"].values(), default=0) for n in ns]
         sizes = [backlog[n]["size_with_backlog_bytes"] / 2**20 for n in ns]
         after = [backlog[n].get("size_after_compact_bytes", backlog[n]["size_after_vacuum_bytes"]) / 2**20 for n in ns]
@@ -1133,13 +1389,14 @@ def chart(out: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8, loc="upper left")
         ax.set_ylim(0, max(rss + sizes) * 1.35)
     else:
-        axes[1][1].axis("off")
         axes[1][2].axis("off")
+        axes[1][3].axis("off")
 
     meta = out["meta"]
     fig.suptitle(
         f"dramatiq-pg-fenced benchmark ({out['plan']['name']}): {PROCESSES} worker processes x {THREADS} threads, "
-        f"{meta['cpus']} CPUs, load avg at start {meta['loadavg_start'][0]:.2f}, {meta['started']}",
+        f"{meta['cpus']} CPUs, load avg at start {meta['loadavg_start'][0]:.2f}, {meta['started']}"
+        + (", ours on a PostgreSQL server of its own" if meta.get("pg_server", "").startswith("own") else ""),
         fontsize=11,
     )
     fig.tight_layout()
@@ -1179,7 +1436,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL") or apps.PG_URL)
     parser.add_argument("--pg-options", default="{}", help="JSON of extra PostgresBroker options (for tuning)")
     parser.add_argument("--out", type=Path, default=None, help="results path stem (default: results/<full|quick>)")
+    parser.add_argument(
+        "--own-server",
+        action="store_true",
+        help="run ours on a PostgreSQL server of the benchmark's own (initdb, fsync on, stopped at the end), as"
+        " redis-aof runs on its own: a shared server's WAL carries the other sessions' writes, and every commit"
+        " of ours waits for them too",
+    )
     args = parser.parse_args(argv)
+    server = None
+    if args.own_server:
+        tests = str(REPO / "tests")
+        if tests not in sys.path:
+            sys.path.insert(0, tests)
+        from test_faults import OwnedServer
+
+        server = OwnedServer(fsync="on", max_connections="100")
+    try:
+        if server is not None:
+            with psycopg.connect(server.url, autocommit=True) as conn:
+                conn.execute("CREATE DATABASE bench")
+                warm_up(conn)
+            args.pg_url = server.url.rsplit("/", 1)[0] + "/bench"
+        return run(args, parser)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def warm_up(conn: psycopg.Connection) -> None:
+    """Give a fresh server WAL segments to recycle, as a server in service has: about 200 MB of WAL, then a
+    checkpoint.  A fresh cluster creates (and zero-fills) every WAL segment its first minutes write, and
+    the first round's commits paid for it (in two runs, ours alone was slower in the first round than
+    in all others)."""
+    conn.execute("CREATE TABLE bench_warm_up AS SELECT g, repeat('x', 100) AS x FROM generate_series(1, 1500000) g")
+    conn.execute("DROP TABLE bench_warm_up")
+    conn.execute("CHECKPOINT")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plan = QUICK if args.quick else FULL
     kinds = [k.strip() for k in args.brokers.split(",") if k.strip()]
     for k in kinds:
@@ -1201,6 +1496,7 @@ def main(argv: list[str] | None = None) -> int:
             "processes": PROCESSES,
             "threads": THREADS,
             "note": "2-core machine shared with other jobs; compare ratios from the same run",
+            "pg_server": "own (initdb, fsync on)" if args.own_server else "shared",
         },
         "plan": plan.__dict__,
         "brokers": {k: {} for k in kinds},
@@ -1212,15 +1508,13 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpdir)
         drivers: list[Driver] = []
         pg: PostgresDriver | None = None
-        for kind in kinds:
-            if kind == "postgres":
-                pg = PostgresDriver(plan, tmp, args.pg_url, options)
-                drivers.append(pg)
-            elif kind == "redis":
-                drivers.append(RedisDriver(plan, tmp))
-            else:
-                drivers.append(RabbitmqDriver(plan, tmp))
         try:
+            for kind in kinds:
+                if kind == "postgres":
+                    pg = PostgresDriver(plan, tmp, args.pg_url, options)
+                    drivers.append(pg)
+                else:
+                    drivers.append(DRIVERS[kind](plan, tmp))
             for d in drivers:
                 d.fresh()
                 out["meta"].update(d.versions())
@@ -1244,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for d in drivers:
                 with contextlib.suppress(Exception):
-                    d.shutdown() if isinstance(d, PostgresDriver) else d.close()
+                    d.shutdown()
     out["meta"]["loadavg_end"] = os.getloadavg()
     out["meta"]["seconds"] = round(time.monotonic() - begun, 1)
     out["targets"] = targets(out, plan)

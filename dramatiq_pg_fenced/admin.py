@@ -19,6 +19,7 @@ import psycopg
 from dramatiq.errors import BrokerError
 from dramatiq.message import Message
 
+from . import processes
 from .database import Database
 from .doorbell import look_back
 from .errors import describe_failure, lost_connection
@@ -54,10 +55,23 @@ class CancelOutcome(str, Enum):
     ALREADY_CANCELLED = "already_cancelled"
     DEAD = "already_dead"  #: it had been dead-lettered; nothing changed
     NOT_FOUND = "not_found"  #: unknown id, already finished (acked rows leave the table), or not the one seen
+    #: its row is locked by a fenced transaction in progress (its actor's block, maybe in a stopped
+    #: process): nothing changed; the block commits or rolls back, then cancel again if it is still there
+    IN_FENCED_TRANSACTION = "in_fenced_transaction"
+
+
+#: How long a cancel waits for its message's row lock before it answers ``IN_FENCED_TRANSACTION``.
+CANCEL_LOCK_TIMEOUT = 2.0
 
 
 def cancel(
-    database: Database, statements: Statements, message_id: str, *, channel: str, seen: str | None = None
+    database: Database,
+    statements: Statements,
+    message_id: str,
+    *,
+    channel: str,
+    seen: str | None = None,
+    lock_timeout: float = CANCEL_LOCK_TIMEOUT,
 ) -> CancelOutcome:
     """Cancel a message whatever its attempt (administrative: not fenced on a delivery).
 
@@ -69,16 +83,30 @@ def cancel(
     ``!interrupt <id> <delivery>``), so a worker that holds it in its prefetch
     never starts it, and one that runs it with ``interrupt_on_cancel`` stops it;
     also from a canceller without LISTEN (the CLI), for workers that listen.
+    A message inside a fenced transaction (its row locked until the block ends,
+    for as long as a stopped process holds it) is not waited for past
+    *lock_timeout* seconds: ``IN_FENCED_TRANSACTION``, nothing changed.
     """
     message_id = check_message_id(message_id)
     seq = None if seen is None else int(check_version(seen).partition(".")[0])
     params = {"id": message_id, "channel": channel, "seq": seq}
-    row = database.run(lambda conn: conn.execute(statements.cancel, params).fetchone())
+
+    def work(conn: psycopg.Connection) -> Any:
+        try:
+            with conn.transaction():
+                conn.execute(statements.cancel_lock_timeout, [f"{max(1, round(lock_timeout * 1000))}ms"])
+                return conn.execute(statements.cancel, params).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return CancelOutcome.IN_FENCED_TRANSACTION
+
+    row = database.run(work)
+    if row is CancelOutcome.IN_FENCED_TRANSACTION:
+        return row
     if row is not None:
         return CancelOutcome.QUEUED if row[0] == State.QUEUED.value else CancelOutcome.RUNNING
     now = database.run(lambda conn: conn.execute(statements.state_of, [message_id]).fetchone())
-    if now is None or (seq is not None and now[2] != seq):
-        return CancelOutcome.NOT_FOUND
+    if now is None or (seq is not None and now[2] != seq) or now[0] == State.COMMITTED.value:
+        return CancelOutcome.NOT_FOUND  # (committed: its fenced transaction finished it)
     return CancelOutcome.ALREADY_CANCELLED if now[0] == State.CANCELLED.value else CancelOutcome.DEAD
 
 
@@ -124,7 +152,7 @@ _HISTORY_KEYS = ("finished_at", "attempt", "lease_holder", "claimed_at", "ran_se
 
 
 def _described(row: Any, *, decode: bool = True) -> dict[str, Any]:
-    info = _with_error(dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True)))
+    info = with_error(dict(zip(_INSPECT_COLUMNS, row[:-1], strict=True)))
     info["message_id"] = str(info["message_id"])
     started, finished = info.get("claimed_at"), info.get("finished_at")
     info["ran_seconds"] = (finished - started).total_seconds() if started and finished else None
@@ -189,7 +217,7 @@ def _cut_note(line: str) -> bool:
     return line.startswith("[... ") and line.endswith(" ...]")
 
 
-def _with_error(row: dict[str, Any]) -> dict[str, Any]:
+def with_error(row: dict[str, Any]) -> dict[str, Any]:
     """*row* with ``error`` (:func:`error_summary` of its ``last_error``) just before ``last_error``."""
     out: dict[str, Any] = {}
     for key, value in row.items():
@@ -478,10 +506,11 @@ def list_messages(
     limit: int = 50,
 ) -> Page:
     """A page of a queue's messages in one state: queued ones in claim order
-    (next first), running ones newest first, finished ones (dead, cancelled,
-    done) most recently finished first.  Keyset pagination: *after* is the
-    previous page's ``next``.  With *actor*, at most :data:`FILTER_WINDOW`
-    rows are read per page."""
+    (next first), running ones newest first (each with ``started``: its actor
+    runs, as of the worker processes' last heartbeats; else it waits in a
+    prefetch), finished ones (dead, cancelled, done) most recently finished
+    first.  Keyset pagination: *after* is the previous page's ``next``.  With
+    *actor*, at most :data:`FILTER_WINDOW` rows are read per page."""
     check_queue(queue_name)
     if state not in LISTABLE:
         raise ValueError(f"cannot list state {state!r}: one of {', '.join(LISTABLE)}")
@@ -513,10 +542,15 @@ def list_messages(
         following, searched = edge, int(edge[-1])
     page = []
     for row in rows:
-        item = _with_error(dict(zip(_LIST_COLUMNS, row[:-3], strict=True)))
+        item = with_error(dict(zip(_LIST_COLUMNS, row[:-3], strict=True)))
         item["message_id"] = str(item["message_id"])
         item["still_running"] = item["running_since"] is not None  # cancelled, its actor still runs
         page.append(item)
+    if state == "running" and page:  # started (its actor runs) or prefetched, by the processes' heartbeats
+        shown = {"beats": processes.STALE_AFTER_BEATS, "ids": [item["message_id"] for item in page]}
+        started = {str(r[0]) for r in database.run(lambda conn: conn.execute(statements.process_started, shown))}
+        for item in page:
+            item["started"] = item["message_id"] in started
     return Page(page, page_cursor(state, following) if following else None, searched)
 
 
@@ -536,29 +570,59 @@ def _stamp(value: datetime) -> str:
 
 
 # -- counting ----------------------------------------------------------------------
-_OVERVIEW_COLUMNS = (
-    "queue", "due", "delayed", "running", "expired_leases", "dead", "cancelled", "done_last_minute",
+#: The columns of the ``overview`` statement, in order.
+OVERVIEW_COLUMNS = (
+    "queue", "due", "delayed", "running", "prefetched", "expired_leases", "dead", "cancelled", "done_last_minute",
     "done_last_hour", "dead_last_hour", "stale_writes", "oldest_due_seconds", "paused_since",
 )  # fmt: skip
 
 
 def overview(database: Database, statements: Statements, *, cap: int | None = None) -> list[dict[str, Any]]:
-    """Per queue: queued (``due`` now + ``delayed``: due later), running
-    (prefetched included: the database cannot tell them apart), expired
-    leases, dead, cancelled, outcomes of the last minute and hour, stale
-    writes (ever), age of the oldest due message, paused since.  Counts stop
-    at *cap* per priority (``None``: exact)."""
+    """Per queue: queued (``due`` now + ``delayed``: due later), ``running``
+    (claimed, and its actor started) and ``prefetched`` (claimed, waiting in
+    a worker's prefetch), expired leases, dead, cancelled, outcomes of the
+    last minute and hour, stale writes (ever), age of the oldest due message,
+    paused since.  Counts stop at *cap* per priority (``None``: exact).
 
-    def read(conn: psycopg.Connection) -> list[Any]:
+    ``running + prefetched`` is the rows claimed now; how many of them run
+    comes from the worker processes' heartbeats (:mod:`.processes`: each
+    process's count of started deliveries, up to one heartbeat old, from
+    processes that are not stale); the rest are counted prefetched (a dead
+    process's rows too, until the rescue takes them back)."""
+
+    def read(conn: psycopg.Connection) -> tuple[list[Any], list[Any]]:
         conn.execute(statements.no_jit)
-        return conn.execute(statements.overview, {"cap": cap}).fetchall()
+        rows = conn.execute(statements.overview, {"cap": cap, "beats": processes.STALE_AFTER_BEATS}).fetchall()
+        return rows, conn.execute(statements.outcome_totals).fetchall()
 
-    rows = database.run(read, transaction=True)
+    rows, sums = database.run(read, transaction=True)
+    ever = _totals(sums)
     queues = []
     for row in rows:
-        figures = dict(zip(_OVERVIEW_COLUMNS, row, strict=True))
-        queues.append({"queue": figures.pop("queue"), "queued": figures["due"] + figures["delayed"], **figures})
+        figures = dict(zip(OVERVIEW_COLUMNS, row, strict=True))
+        name = figures.pop("queue")
+        totals = ever.get(name, dict.fromkeys(TOTALS, 0))
+        queues.append({"queue": name, "queued": figures["due"] + figures["delayed"], **figures, **totals})
     return queues
+
+
+#: The counters of :func:`outcome_totals`, per queue.
+TOTALS = ("finished_total", "dead_total", "retried_total")
+
+
+def outcome_totals(database: Database, statements: Statements) -> dict[str, dict[str, int]]:
+    """Per queue, ever: messages finished (acked), dead-lettered and retried.
+
+    Monotonic: the per-minute tallies are purged after two hours, and the
+    purge adds what it deletes to ``outcome_total`` in the same statement
+    (see ``purge_throughput`` in ``sql.py``); these sum both.  Also in each
+    :func:`overview` row (``finished_total``, ``dead_total``, ``retried_total``).
+    """
+    return _totals(database.run(lambda conn: conn.execute(statements.outcome_totals).fetchall()))
+
+
+def _totals(rows: Iterable[Any]) -> dict[str, dict[str, int]]:
+    return {r[0]: dict(zip(TOTALS, (int(r[1]), int(r[2]), int(r[3])), strict=True)) for r in rows}
 
 
 def counters(database: Database, statements: Statements) -> dict[str, int]:
@@ -568,11 +632,19 @@ def counters(database: Database, statements: Statements) -> dict[str, int]:
 
 
 def queue_counts(database: Database, statements: Statements) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """(database-wide counters, per queue: rows by state)."""
+    """(database-wide counters, per queue: rows by state).  Of the ``running`` rows, those whose actor
+    has not started yet (as of the workers' last heartbeats, see :func:`overview`) are ``prefetched``."""
     totals: dict[str, int] = dict(database.run(lambda conn: conn.execute(statements.counters).fetchall()))
     queues: dict[str, dict[str, int]] = {}
     for queue_name, state, count in database.run(lambda conn: conn.execute(statements.queue_stats).fetchall()):
         queues.setdefault(queue_name, {})[state] = count
+    busy: dict[str, int] = dict(
+        database.run(lambda conn: conn.execute(statements.process_busy, {"beats": processes.STALE_AFTER_BEATS}).fetchall())
+    )
+    for queue_name, states in queues.items():
+        if "running" in states:
+            running = min(states["running"], int(busy.get(queue_name, 0)))
+            states["running"], states["prefetched"] = running, states["running"] - running
     return totals, queues
 
 
@@ -656,7 +728,8 @@ class OperatorMethods:
         attempt's ack, nack and retry become no-ops.  Nothing here is fenced on
         an attempt: cancellation is an administrative action on the message.
         *seen* (:meth:`inspect`'s ``version``): only the message shown, not
-        its id sent again after it finished.
+        its id sent again after it finished.  A message inside a fenced
+        transaction is not waited for: ``IN_FENCED_TRANSACTION``, nothing changed.
         """
         return cancel(self.database, self.statements, message_id, channel=self.channel, seen=seen)
 

@@ -39,12 +39,13 @@ from .config import (
     DEFAULT_SCHEMA,
     Settings,
 )
+from .console import ConsoleMethods
 from .consumer import PostgresConsumer
 from .database import Database, this_process
 from .delivery import PostgresMessageProxy, Row
 from .enqueue import Enqueuer
 from .errors import DeadLetterError, DeliveryLost
-from .exactly_once import FencedTransactions, failed_after_its_commit
+from .exactly_once import FencedTransactions
 from .fencing import Write
 from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
@@ -57,7 +58,9 @@ from .sql import check_queue, check_schema, statements
 from .unique import UniqueMessages
 
 
-class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTransactions, SendMethods, Broker):
+class PostgresBroker(
+    SkipNoopHooks, OperatorMethods, ConsoleMethods, DeliveryMethods, FencedTransactions, SendMethods, Broker
+):
     """A Dramatiq broker that keeps messages in PostgreSQL.
 
     Parameters:
@@ -300,14 +303,14 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
         parts = self.parts
         parts.consumers += 1
         parts.leases.undrain()  # a worker of this process that shut down before stopped claiming
+        parts.turns.join("", queue_name, room=lambda: parts.leases.capacity(queue_name, prefetch) > 0)  # turns.py
         # The keeper extends what consumers hold; maintenance also rescues other
         # processes' expired leases, so a consuming process runs it from the start.
         parts.keeper.start()
         parts.maintenance.start()
         if self.run_schedules:
             self.start_scheduler()
-        if not self.listen:
-            parts.cancel_watch.start()  # no "!interrupt" notification comes: read the rows (only while one runs)
+        parts.cancel_watch.start()  # reads the rows while one runs and no "!interrupt" can come (turns.py)
         return PostgresConsumer(
             queue_name,
             prefetch,
@@ -324,6 +327,8 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
             priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
             look_back=parts.look_back,
             stored_exception=self.stored_exception,
+            turns=parts.turns if self.listen else None,
+            answered=parts.answered if self.listen else None,
         )
 
     def start_scheduler(self) -> bool:
@@ -344,6 +349,9 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
         doorbell.on("cancel", parts.leases.mark_cancelled)
         doorbell.on("back", parts.look_back.request)
         doorbell.on("interrupt", parts.interrupter.command)
+        doorbell.on("took", parts.answered.took)  # rings another process's claim answered (turns.py)
+        doorbell.on_ring(parts.answered.rang)
+        doorbell.attend(parts.turns)  # its seat among the listening processes, for the idle chores' turns
         return doorbell
 
     def declare_queue(self, queue_name: str) -> None:
@@ -404,7 +412,7 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
             )
             return False
         if message.committed:  # its fenced transaction acked it: done (Dramatiq's ack that follows writes its effects)
-            failed_after_its_commit(self.logger, message, "retried")
+            delivery.failed_after_its_commit(self.logger, message, "retried")
             return False
         if isinstance(message.exception, DeliveryLost):
             return False  # stale: a retry would be fenced out too; its ack is, and is counted
@@ -444,6 +452,9 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
         stmts = self.statements
         while True:
             self.flush_outcomes(timeout=1.0)
+            # Pending first, dead letters second: a message dead-lettered between the two reads
+            # is seen by the second (the other order returned on an empty queue, missing it).
+            row = self.database.run(lambda conn: conn.execute(stmts.pending, [queue_name]).fetchone())
             if fail_fast:
                 dead = self.database.run(lambda conn: conn.execute(stmts.dead_letters, [queue_name]).fetchone())
                 if dead is not None:
@@ -451,7 +462,6 @@ class PostgresBroker(SkipNoopHooks, OperatorMethods, DeliveryMethods, FencedTran
                     if exc is not None:
                         raise exc
                     raise DeadLetterError(str(dead[0]), dead[1])
-            row = self.database.run(lambda conn: conn.execute(stmts.pending, [queue_name]).fetchone())
             if row is not None and row[0] == 0:
                 return
             if deadline is not None and time.monotonic() >= deadline:

@@ -3,6 +3,11 @@
 Workers are run with Dramatiq's own ``dramatiq`` command; this one
 administers the database side.  Options go before or after the command.
 
+Several databases at once: ``--broker app:broker`` (the application's ``RoutedBroker``, whose
+routes say where a queue's actions go) or ``--url NAME=postgresql://...`` repeated; the commands
+then run in :mod:`.fleet_cli` (every database shown, each row naming its own; each action in its
+message's or queue's database, said).
+
 Exit codes: 0 done; 1 the thing asked for did not apply (no such message,
 nothing to cancel or re-drive, a queue already paused); 2 bad usage (an
 unknown option, a message id that is not a UUID, a bad queue or schema
@@ -15,35 +20,44 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from dramatiq.errors import BrokerError
 
-from . import __version__, admin, schedules, startup
+from . import __version__, admin, processes, schedules
 from .broker import PostgresBroker
-from .config import DEFAULT_SCHEMA
-from .database import Database
+from .cli_options import allowed_hosts, check_before_serving, dashboard_auth, named_url, schema_of, serve
+from .cli_output import (
+    DATABASE,
+    NOT_APPLIED,
+    OK,
+    USAGE,
+    fail,
+    list_table,
+    print_json,
+    processes_table,
+    schedules_table,
+    stats_table,
+)
 from .errors import describe_failure
 from .sql import FINISHED_STATES
 
-OK, NOT_APPLIED, USAGE, DATABASE = 0, 1, 2, 3
-
 
 def _common(suppress: bool) -> argparse.ArgumentParser:
-    """--url and --schema, accepted before the command and after it."""
+    """--url, --read-url, --schema, --broker and --database, accepted before the command and after it."""
     common = argparse.ArgumentParser(add_help=False)
     default = argparse.SUPPRESS
     common.add_argument(
         "--url",
-        default=default if suppress else os.environ.get("DATABASE_URL"),
-        help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables, named on stderr)",
+        action="append",
+        default=default if suppress else None,
+        help="PostgreSQL URL or libpq DSN (default: $DATABASE_URL, else libpq's PG* variables, named on stderr); "
+        "NAME=postgresql://... repeated: several databases at once, each row naming its database",
     )
     common.add_argument(
         "--read-url",
@@ -53,10 +67,25 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--schema",
-        default=default if suppress else os.environ.get("DRAMATIQ_PG_SCHEMA", DEFAULT_SCHEMA),
-        help="schema of the tables (default: $DRAMATIQ_PG_SCHEMA, else %(default)s)"
+        action="append",
+        default=default if suppress else None,
+        help="schema of the tables (default: $DRAMATIQ_PG_SCHEMA, else dramatiq); NAME=SCHEMA for one of several "
+        "databases"
         if not suppress
         else "schema of the tables",
+    )
+    common.add_argument(
+        "--broker",
+        metavar="MODULE[:ATTRIBUTE]",
+        default=default if suppress else None,
+        help="the application's broker (ATTRIBUTE defaults to broker), instead of --url: a RoutedBroker's "
+        "databases are shown at once and its routes say where a queue's actions go",
+    )
+    common.add_argument(
+        "--database",
+        metavar="NAME",
+        default=default if suppress else None,
+        help="with several databases: only this one (reads), or act there (a queue known in several)",
     )
     return common
 
@@ -82,9 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument("--seen", metavar="VERSION", help=seen_help)
     command("inspect", "a message's state, attempt, lease, timing and last error (JSON)").add_argument("message_id")
     stats = command(
-        "stats", "per queue: queued (delayed: due later), running, dead, cancelled, done, oldest due, expired leases"
+        "stats",
+        "per queue: queued (delayed: due later), running, prefetched, dead, cancelled, done, oldest due, expired leases",
     )
     stats.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
+    workers = command("processes", "the worker processes: host, pid, queues, threads, busy, prefetched, heartbeat")
+    workers.add_argument("--json", action="store_true")
     listing = command("list", "list a queue's messages in one state (default: its dead letters, newest first)")
     listing.add_argument("--queue", required=True)
     listing.add_argument("--state", default="dead", choices=admin.LISTABLE)
@@ -118,6 +150,14 @@ def _parser() -> argparse.ArgumentParser:
     pause.add_argument("--create", action="store_true", help="pause a queue no message, pause or schedule names yet")
     command("resume", "consumers claim from a paused queue again").add_argument("queue")
     command("compact", "give back the space a drained backlog left (VACUUM FULL: locks the table briefly; owner)")
+    move = command(
+        "move-queue",
+        "finish moving a queue to the database its route names (--broker: a RoutedBroker with the new routes): "
+        "pause it elsewhere, move its queued rows, wait until none is left there",
+    )
+    move.add_argument("queue")
+    move.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: %(default)s)")
+    move.add_argument("--resume", action="store_true", help="resume the queue in the other databases afterwards")
     metrics = command("metrics", "serve Prometheus metrics of the queues (or print them once)")
     metrics.add_argument("--host", default="127.0.0.1")
     metrics.add_argument("--port", type=int, default=9191)
@@ -129,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     dashboard.add_argument(
         "--auth-file",
         metavar="PATH",
-        help="require HTTP authentication: the file holds user:password, or a token "
+        help="require a login (a page, then a session cookie; or HTTP authentication for scripts): the file holds "
+        "user:password, or a token "
         "(default: $DRAMATIQ_PG_DASHBOARD_AUTH if set; never given on the command line)",
     )
     for server in (metrics, dashboard):
@@ -166,24 +207,60 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         ids = [admin.check_message_id(m) for m in _ids(args)]
     except ValueError as e:
-        return _fail(str(e), USAGE)
+        return fail(str(e), USAGE)
     pool = 4 if args.command == "dashboard" else 1
     try:
-        broker = PostgresBroker(args.url, schema=args.schema, listen=False, pool_max_size=pool, read_url=args.read_url)
+        app_broker = _app_broker(args.broker) if args.broker else None
+        urls = args.url or [os.environ.get("DATABASE_URL")]
+        if app_broker is not None and (args.url or args.schema):
+            raise ValueError("give --broker or --url (and --schema), not both: the app's broker has its own")
+        if (app_broker is not None and hasattr(app_broker, "shards")) or any(named_url(u) for u in urls):
+            from .fleet_cli import run_several
+
+            return run_several(args, ids, app_broker, [u for u in urls if u], pool)
+        if len(urls) > 1:
+            raise ValueError("several --url must each be named: --url NAME=postgresql://...")
+        if args.command == "move-queue":
+            raise ValueError("move-queue needs the routes: --broker MODULE:ATTRIBUTE naming a RoutedBroker")
+        if args.database is not None:
+            raise ValueError("--database names one of several databases (--url NAME=URL, or --broker)")
+        url = urls[0]
+        broker = app_broker or PostgresBroker(
+            url, schema=schema_of(args, ""), listen=False, pool_max_size=pool, read_url=args.read_url
+        )
     except ValueError as e:
-        return _fail(str(e), USAGE)
-    if not args.url:
+        return fail(str(e), USAGE)
+    if not url and app_broker is None:
         print(f"note: no --url or $DATABASE_URL; using libpq's defaults: {_libpq_default()}", file=sys.stderr)
     try:
         return _run(broker, args, ids)
     except ValueError as e:
-        return _fail(str(e), USAGE)
+        return fail(str(e), USAGE)
     except BrokerError as e:
-        return _fail(str(e), DATABASE)
+        return fail(str(e), DATABASE)
     except psycopg.Error as e:  # e.g. permission denied: one line, not a traceback
-        return _fail(describe_failure(e), DATABASE)
+        return fail(describe_failure(e), DATABASE)
     finally:
         broker.close()
+
+
+def _app_broker(spec: str) -> Any:
+    """The broker *spec* (``module`` or ``module:attribute``, as the ``dramatiq`` command's) names: a
+    ``PostgresBroker`` or a ``RoutedBroker``; ``ValueError`` otherwise."""
+    import importlib
+
+    module, _, attribute = spec.partition(":")
+    if os.getcwd() not in sys.path:  # as the dramatiq command: the app's module from here
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module), attribute or "broker")
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--broker {spec}: {e}") from None
+    from .routing import RoutedBroker
+
+    if not isinstance(found, (PostgresBroker, RoutedBroker)):
+        raise ValueError(f"--broker {spec} is a {type(found).__name__}, not a PostgresBroker or RoutedBroker")
+    return found
 
 
 def _libpq_default() -> str:
@@ -204,11 +281,6 @@ def _ids(args: argparse.Namespace) -> list[str]:
     if args.command in ("cancel", "inspect"):
         return [args.message_id]
     return list(getattr(args, "message_ids", []) or [])
-
-
-def _fail(text: str, code: int) -> int:
-    print(f"error: {text}", file=sys.stderr)
-    return code
 
 
 def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> int:
@@ -232,30 +304,37 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
     if command == "inspect":
         info = broker.inspect(ids[0])
         if info is None:
-            return _fail(f"no message {ids[0]} (unknown, or acked longer ago than keep_finished)", NOT_APPLIED)
-        _print_json(info)
+            return fail(f"no message {ids[0]} (unknown, or acked longer ago than keep_finished)", NOT_APPLIED)
+        print_json(info)
         return OK
     if command == "stats":
         queues = admin.overview(reads, st)
         totals = admin.counters(reads, st)
         listed = schedules.overview(reads, st)
         if args.json:
-            _print_json({"queues": queues, "totals": totals, "schedules": listed})
+            print_json({"queues": queues, "totals": totals, "schedules": listed})
         else:
             print(stats_table(queues, totals))
             if listed:
                 print()
                 print(schedules_table(listed))
         return OK
+    if command == "processes":
+        found = processes.processes(reads, st)
+        if args.json:
+            print_json({"processes": found})
+        else:
+            print(processes_table(found))
+        return OK
     if command == "schedules":
         if args.forget:
             if not schedules.forget(db, st, args.forget):
-                return _fail(f"no schedule {args.forget!r}", NOT_APPLIED)
+                return fail(f"no schedule {args.forget!r}", NOT_APPLIED)
             print(f"{args.forget}: forgotten (a scheduler that still declares its newest definition puts it back)")
             return OK
         listed = schedules.overview(reads, st)
         if args.json:
-            _print_json({"schedules": listed})
+            print_json({"schedules": listed})
         else:
             print(schedules_table(listed))
         return OK
@@ -264,7 +343,7 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
             reads, st, args.queue, args.state, actor=args.actor, after=args.after, limit=args.limit
         )
         if args.json:
-            _print_json({"messages": page.rows, "next": page.next})
+            print_json({"messages": page.rows, "next": page.next})
         else:
             print(list_table(page.rows))
             if page.searched:
@@ -314,7 +393,7 @@ def _run(broker: PostgresBroker, args: argparse.Namespace, ids: list[str]) -> in
         )
         return OK if changed else NOT_APPLIED
     if command == "compact":
-        _print_json(broker.compact())
+        print_json(broker.compact())
         return OK
     if command == "metrics":
         return _metrics(broker, args)
@@ -350,12 +429,12 @@ def _scheduler(module: str) -> int:
     try:
         importlib.import_module(module)
     except ImportError as e:
-        return _fail(f"cannot import {module!r}: {e}", USAGE)
+        return fail(f"cannot import {module!r}: {e}", USAGE)
     broker = dramatiq.broker.global_broker  # (get_broker() would make a RabbitMQ broker when none is set)
     if not isinstance(broker, PostgresBroker):
-        return _fail(f"{module!r} did not set a PostgresBroker as Dramatiq's broker", USAGE)
+        return fail(f"{module!r} did not set a PostgresBroker as Dramatiq's broker", USAGE)
     if not len(broker.schedules):
-        return _fail(f"{module!r} declares no schedule", USAGE)
+        return fail(f"{module!r} declares no schedule", USAGE)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -373,189 +452,39 @@ def _metrics(broker: PostgresBroker, args: argparse.Namespace) -> int:
     try:
         from . import metrics
     except ImportError as e:
-        return _fail(str(e), USAGE)
+        return fail(str(e), USAGE)
     registry = metrics.registry(broker.reader, broker.statements)
     if args.once:
         sys.stdout.write(metrics.exposition(registry).decode())
         return OK
-    _check_before_serving(broker, "each scrape answers dramatiq_pg_up 0", broker.reader)
+    check_before_serving(broker, "each scrape answers dramatiq_pg_up 0", broker.reader)
     from prometheus_client import make_wsgi_app
 
     from .dashboard import AllowedHosts, host_checked, make_dashboard_server, netloc
 
     # As the dashboard: a page of another site, its name rebound to this address, reads nothing.
-    app = host_checked(make_wsgi_app(registry), AllowedHosts(_allowed_hosts(args)))
+    app = host_checked(make_wsgi_app(registry), AllowedHosts(allowed_hosts(args)))
     server = make_dashboard_server(app, args.host, args.port)
     where = netloc(args.host, server.server_port)
     print(f"metrics of schema {broker.schema!r} on http://{where}/metrics", file=sys.stderr)
-    return _serve(server, args)
+    return serve(server, args)
 
 
 def _dashboard(broker: PostgresBroker, args: argparse.Namespace) -> int:
     from .dashboard import dashboard_app, make_dashboard_server, netloc
 
-    auth = _dashboard_auth(args.auth_file)
+    auth = dashboard_auth(args.auth_file)
     # The pages read from the reader (a replica, with --read-url); the actions write to the primary.
-    _check_before_serving(broker, "its pages answer 503", broker.reader, *([broker.database] if args.actions else []))
-    app = dashboard_app(broker, actions=args.actions, ring=True, allowed_hosts=_allowed_hosts(args), auth=auth)
+    check_before_serving(broker, "its pages answer 503", broker.reader, *([broker.database] if args.actions else []))
+    # With credentials, a browser gets a login page and a session cookie; scripts send Authorization.
+    app = dashboard_app(
+        broker, actions=args.actions, ring=True, allowed_hosts=allowed_hosts(args), auth=auth, login=True
+    )
     server = make_dashboard_server(app, args.host, args.port)  # warns if it exposes actions to anyone
     mode = ("actions on" if args.actions else "read-only") + (", authentication on" if auth else "")
     where = netloc(args.host, server.server_port)
     print(f"dashboard of schema {broker.schema!r} ({mode}) on http://{where}/", file=sys.stderr)
-    return _serve(server, args)
-
-
-def _serve(server: Any, args: argparse.Namespace) -> int:
-    """Serve until interrupted (after the note on a wildcard bind without --allow-host)."""
-    _note_wildcard(args)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
-    return OK
-
-
-def _check_before_serving(broker: PostgresBroker, meanwhile: str, *databases: Database) -> None:
-    """A role, password, database or schema that can never work: fail now (``StartupError``, exit 3).
-    A database that cannot be reached now: serve all the same, and say so (as once started).
-    *databases*: those the server uses (default: the broker's)."""
-    for database in dict.fromkeys(databases or (broker.database,)):
-        away = startup.check(database)
-        if away is not None:
-            print(f"note: {away}; {meanwhile} until it is back", file=sys.stderr)
-
-
-def _allowed_hosts(args: argparse.Namespace) -> list[str]:
-    """The host names the server answers besides the loopback ones: the bound address and --allow-host."""
-    return [args.host, *args.allow_host] if args.host else list(args.allow_host)
-
-
-def _note_wildcard(args: argparse.Namespace) -> None:
-    if args.host in ("", "0.0.0.0", "::") and not args.allow_host:
-        print(
-            "note: requests are answered only when addressed to localhost, 127.0.0.1 or [::1]: "
-            "add --allow-host for each name or address it is reached by",
-            file=sys.stderr,
-        )
-
-
-def _dashboard_auth(path: str | None) -> str | None:
-    """The dashboard's credentials, from *path* (``--auth-file``), else ``$DRAMATIQ_PG_DASHBOARD_AUTH``.
-
-    Never from an argument: a command line is visible to every user of the host (``ps``,
-    ``/proc``) and kept in shell histories.  Errors name neither the file nor its content
-    (a secret typed where the path goes stays out of the output)."""
-    from .dashboard import AUTH_ENV
-
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read --auth-file: {getattr(e, 'strerror', None) or 'not UTF-8 text'}") from None
-        where = "--auth-file"
-    else:
-        env = os.environ.get(AUTH_ENV)
-        if env is None:
-            return None
-        text, where = env, f"${AUTH_ENV}"
-    text = text.strip()
-    if not text or "\n" in text:
-        raise ValueError(f"{where} must hold one line: user:password, or a token")
-    return text
-
-
-# -- output ----------------------------------------------------------------------------
-_STATS_HEADS = (
-    ("queue", "queue"), ("paused", "paused_since"), ("queued", "queued"), ("delayed", "delayed"),
-    ("running", "running"), ("expired", "expired_leases"), ("dead", "dead"), ("cancelled", "cancelled"),
-    ("done/1m", "done_last_minute"), ("done/1h", "done_last_hour"), ("dead/1h", "dead_last_hour"),
-    ("stale", "stale_writes"), ("oldest due", "oldest_due_seconds"),
-)  # fmt: skip
-
-
-def stats_table(queues: list[dict[str, Any]], totals: dict[str, int]) -> str:
-    """The human table of ``stats``."""
-    rows = []
-    for q in queues:
-        row = []
-        for _, key in _STATS_HEADS:
-            value = q[key]
-            if key == "paused_since":
-                value = "yes" if value is not None else ""
-            elif key == "oldest_due_seconds":
-                value = "" if value is None else f"{value:.1f}s"
-            row.append(str(value))
-        rows.append(row)
-    table = _columns([h for h, _ in _STATS_HEADS], rows) if rows else "no messages in any queue"
-    footer = (
-        f"stale writes: {totals.get('stale_writes', 0)}   redeliveries: {totals.get('redeliveries', 0)}"
-        "   (queued includes delayed: due later; running includes prefetched messages)"
-    )
-    return f"{table}\n{footer}"
-
-
-def schedules_table(rows: list[dict[str, Any]]) -> str:
-    """The human table of ``schedules`` (and the end of ``stats``)."""
-    heads = ["schedule", "actor", "when", "missed", "last tick", "last message", "next tick", "status"]
-    body = [
-        [
-            r["name"],
-            r["actor_name"],
-            r["schedule"] + (f" (version {r['version']})" if r["version"] else ""),
-            r["missed"],
-            _when(r["last_tick"]),
-            r["last_message_id"] or "",
-            _when(r["next_tick"]),
-            _schedule_status(r),
-        ]
-        for r in rows
-    ]
-    return _columns(heads, body) + "\n(times in UTC)" if body else "no schedules"
-
-
-def _schedule_status(row: dict[str, Any]) -> str:
-    if row["stale"]:
-        return "stale (no scheduler declares it)"
-    # Processes with an older definition enqueue nothing: a rolling deploy not over yet.
-    return "active; an older definition is still declared" if row["outdated"] else "active"
-
-
-def list_table(rows: list[dict[str, Any]]) -> str:
-    heads = ["message_id", "actor", "state", "attempt", "enqueued", "finished", "last error"]
-    body = [
-        [
-            r["message_id"],
-            r["actor_name"],
-            r["state"] + (" (still running)" if r["still_running"] else ""),  # cancel requested, the actor runs
-            str(r["attempt"]),
-            _when(r["enqueued_at"]),
-            "" if r["still_running"] else _when(r["finished_at"]),
-            admin.error_summary(r["last_error"], limit=80),
-        ]
-        for r in rows
-    ]
-    return _columns(heads, body) if body else "no messages"
-
-
-def _when(value: Any) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else ""
-
-
-def _columns(heads: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
-    numeric = [all(r[i].replace(".", "").rstrip("s").isdigit() or not r[i] for r in rows) for i in range(len(heads))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric, strict=True)
-        ).rstrip()
-
-    return "\n".join([line(heads), *(line(r) for r in rows)])
-
-
-def _print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str, ensure_ascii=False)  # text as text: "café", not "caf\u00e9"
-    sys.stdout.write("\n")
+    return serve(server, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,17 +32,17 @@ from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
 from psycopg_pool import PoolTimeout
 
-from . import delivery
+from . import delivery, turns
 from .config import Settings
 from .database import Database
 from .delivery import Outcome, PostgresMessageProxy, ResultWrite
 from .doorbell import Doorbell, look_back
 from .errors import SchemaError, lost_connection
-from .exactly_once import failed_after_its_commit
 from .fencing import State, Write
 from .leases import Leases
 from .outcomes import OutcomeWriter
 from .sql import Statements
+from .turns import Answered, Turns
 
 
 class LostClaims:
@@ -95,19 +95,26 @@ class LookBack:
     claim and a queue's resume put rows back at their old place in line; they
     send ``"!back <queue>"`` before ringing the queue (see
     :func:`~.doorbell.look_back`), and the next claim of every consumer of the
-    queue in this process starts from the head.
+    queue in this process starts from the head.  A process that begins to
+    listen (its queues' door, turns.py) may have missed some: every queue
+    looks back then (:meth:`request_all`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
+        self._all = 0
 
     def request(self, queue_name: str) -> None:
         with self._lock:
             self._counts[queue_name] = self._counts.get(queue_name, 0) + 1
 
+    def request_all(self) -> None:
+        with self._lock:
+            self._all += 1
+
     def count(self, queue_name: str) -> int:
-        return self._counts.get(queue_name, 0)
+        return self._counts.get(queue_name, 0) + self._all
 
 
 class Floor:
@@ -198,8 +205,19 @@ class PostgresConsumer(Consumer):
         priority: int = 0,
         look_back: LookBack | None = None,
         stored_exception: Callable[[PostgresMessageProxy], ResultWrite | None] | None = None,
+        turns: Turns | None = None,
+        answered: Answered | None = None,
     ) -> None:
         self.queue_name = queue_name
+        #: Whose turn the idle poll of this queue is, and who answers a ring first, among the listening
+        #: processes; which rings other processes' claims answered (turns.py).
+        self.turns = turns
+        self.answered = answered
+        # A ring this process waits its turn to answer (turns.Turns.ring_delay): when it claims
+        # (monotonic; None: no ring waits), unless another process's claim answers it first (its
+        # count in ``answered`` moves past the one seen at the ring).
+        self._ring_due: float | None = None
+        self._ring_seen = 0
         #: The exception the Results middleware stores for a failed message: it rides the nack (results.py).
         self.stored_exception = stored_exception
         self.prefetch = max(prefetch, 1)
@@ -224,8 +242,12 @@ class PostgresConsumer(Consumer):
         # Until when no claim is needed (monotonic): the last claim came back short, so the queue had
         # nothing more due, and the doorbell has not rung since.  Dramatiq asks for the next message
         # right after taking one; claiming again then would find nothing, and would compete for the
-        # CPU with the worker thread starting that message.  The poll (every poll_interval) stays.
+        # CPU with the worker thread starting that message.  The poll stays: every poll_interval, taken
+        # in turn by the listening processes (one poll of the queue per interval in all: turns.py).
         self._quiet_until = 0.0
+        # The wait until _quiet_until is only a look at the turns again, not a poll: the next poll of
+        # ours was further away than turns.DUTY, and who is on duty may change meanwhile.
+        self._only_look = False
         self.floor = Floor(priority, look_back, queue_name)
 
     def __next__(self) -> MessageProxy | None:
@@ -254,6 +276,8 @@ class PostgresConsumer(Consumer):
                 wait = min(wait, max(self.next_due - time.monotonic(), 0.0))
             if self.floor.look_back_due is not None:
                 wait = min(wait, max(self.floor.look_back_due - time.monotonic(), 0.0))
+            if self._ring_due is not None:
+                wait = min(wait, max(self._ring_due - time.monotonic(), 0.0))
             if self.wake is not None:
                 self.wake.wait(wait)
             else:
@@ -262,13 +286,40 @@ class PostgresConsumer(Consumer):
     def _claim_due(self) -> bool:
         """Must we claim now?  Not while the queue is known drained (see ``_quiet_until``)."""
         now = time.monotonic()
-        if self.wake is None or self.wake.is_set() or now >= self._quiet_until:
+        if self.wake is None:
             return True
+        if self._ring_due is not None and self.answered is not None:
+            if self.answered.count(self.queue_name) != self._ring_seen:
+                self._ring_due = None  # another process's claim answered it (after it rang)
+            elif now >= self._ring_due:
+                return True  # nobody did: our turn
+        if self.wake.is_set() and not self._answer_later(now):
+            return True
+        if now >= self._quiet_until:
+            if not self._only_look:
+                return True
+            self._set_quiet(now)  # not on duty (yet): look again later, and claim then if ours
+            if now >= self._quiet_until:
+                return True
         if self.next_due is not None and self.next_due <= now:
             return True
         if self.floor.look_back_due is not None and self.floor.look_back_due <= now:
             return True  # a row may wait behind the floor: look back, poll interval or not
         return self.lost_claims.waiting(self.queue_name)
+
+    def _answer_later(self, now: float) -> bool:
+        """The doorbell rang: must this process wait its turn to answer (see turns.py)?  If so the
+        ring is remembered (the first one's time: later rings wait with it) and the wake cleared."""
+        if self.turns is None or self.answered is None or self.wake is None:
+            return False
+        delay = self.turns.ring_delay(self.queue_name)
+        if delay <= 0:
+            return False
+        self.wake.clear()
+        if self._ring_due is None:
+            self._ring_due = now + delay
+            self._ring_seen = self.answered.count_at_ring(self.queue_name)
+        return True
 
     def _claim(self, timeout: float) -> None:
         """Claim what there is room for.
@@ -282,7 +333,10 @@ class PostgresConsumer(Consumer):
         limit = self.leases.capacity(self.queue_name, self.prefetch)
         if limit <= 0:
             return
-        self._quiet_until = 0.0
+        # Until this claim says otherwise (a short one sets them again), the next claim comes when there is
+        # room: a stale "only look" would turn it into a look at the turns (no claim before the next duty).
+        self._quiet_until, self._only_look = 0.0, False
+        self._ring_due = None  # this claim answers whatever rang
         for tries in (1, 2):
             unsure = self.lost_claims.take(self.queue_name)
             try:
@@ -293,7 +347,7 @@ class PostgresConsumer(Consumer):
                         self.floor.forget()
                     rows = self._claim_rows(conn, limit)
                     if len(rows) < limit and self.wake is not None:
-                        self._quiet_until = time.monotonic() + self.settings.poll_interval
+                        self._set_quiet(time.monotonic())
                     if len(rows) < limit and self._due_unknown():
                         row = conn.execute(self.statements.next_due, {"queue": self.queue_name}).fetchone()
                         seconds = row[0] if row else None
@@ -333,6 +387,18 @@ class PostgresConsumer(Consumer):
                 continue
             self.buffer.append(PostgresMessageProxy(message, attempt, delivery))
 
+    def _set_quiet(self, now: float) -> None:
+        """No claim until this process's next idle poll of the queue: ``poll_interval`` from now, or,
+        while the listening processes take turns, the next point of its grid while it is on duty; a
+        wait longer than one duty window ends with a look at the turns again instead (who is on duty
+        changes as processes come and go)."""
+        if self.turns is None:
+            wait = self.settings.poll_interval
+        else:
+            wait = self.turns.next_turn(f"poll {self.queue_name}", self.settings.poll_interval, group=self.queue_name)
+        self._only_look = wait > turns.DUTY
+        self._quiet_until = now + min(wait, turns.DUTY)
+
     def _due_unknown(self) -> bool:
         """Must the next due time be read again? Unknown, passed, or new delayed rows were announced.
 
@@ -362,11 +428,19 @@ class PostgresConsumer(Consumer):
             "from_priority": start[0],
             "from_at": start[1],
             "from_seq": start[2],
+            "channel": self.settings.channel,
+            # Taking rows and leaving the queue drained answers the rings others wait their turn for
+            # (processes that listen to every ring: an older version's; turns.py).
+            "took": self.answered.payload(self.queue_name) if self.answered is not None and self._others_listen() else None,
         }
         claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
         rows = conn.execute(claim, params).fetchall()
         self.floor.claimed(start, rows, limit)
         return rows
+
+    def _others_listen(self) -> bool:
+        """May a process of an older version, which waits for ``!took``, hear this queue's rings (turns.py)?"""
+        return self.turns is None or self.turns.others_listen()
 
     def _release_unseen(self, conn: psycopg.Connection, consumer_ids: list[str]) -> None:
         """After claims that failed in flight: put back what they may have leased to *consumer_ids* unseen."""
@@ -419,7 +493,7 @@ class PostgresConsumer(Consumer):
         failed_after_commit = message.committed and kind is Write.NACK
         if message.committed:  # its fenced transaction wrote the ack: what it caused since rides this
             if failed_after_commit:
-                failed_after_its_commit(self.logger, message, "dead-lettered")
+                delivery.failed_after_its_commit(self.logger, message, "dead-lettered")
             kind = Write.ACK
         nack = kind is Write.NACK
         outcome = message.decided or Outcome(

@@ -56,6 +56,11 @@ def this_process() -> int:
     return _pid
 
 
+#: Seconds after which the pool closes the connections it did not use (above one): an idle worker
+#: process keeps one pooled connection and its LISTEN connection (docs/operating.md, "Connections").
+POOL_MAX_IDLE = 20.0
+
+
 def connection_kwargs(connect_timeout: int, *, prepare: bool = True) -> dict[str, Any]:
     """How our pools connect: autocommit, and with ``prepare=False`` no server-side prepared statements.
 
@@ -87,6 +92,7 @@ def new_pool(
         max_size=max_size,
         kwargs=connection_kwargs(connect_timeout, prepare=prepare),
         timeout=connect_timeout * 2,
+        max_idle=POOL_MAX_IDLE,
         open=False,
         name=f"dramatiq-pg-{name}-{os.getpid()}",
         **extra,

@@ -10,6 +10,7 @@ inserted again after its row was acked starts at 1 again).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -171,6 +172,19 @@ class PostgresMessageProxy(MessageProxy):
         """What the row's ``last_error`` gets: Dramatiq's traceback option, else the exception's repr."""
         exc = self._exception
         return self.options.get("traceback") or (repr(exc) if exc is not None else default)
+
+
+def failed_after_its_commit(logger: logging.Logger, message: PostgresMessageProxy, what: str) -> None:
+    """A delivery whose fenced transaction committed fails afterwards (*what*: it would be retried, or
+    dead-lettered): the message is done, so neither happens.  Logged as an error, with the error."""
+    logger.error(
+        "Message %s (attempt %d) failed after its fenced transaction committed its writes and its ack; it is "
+        "done and is not %s: %s",
+        message.message_id,
+        message.attempt,
+        what,
+        message.error_text("an error"),
+    )
 
 
 def attempt_of(message: Any) -> int | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
 import threading
 from collections.abc import Callable
 from itertools import islice
@@ -22,11 +24,52 @@ from dramatiq import get_encoder
 from dramatiq.common import current_millis
 from dramatiq.message import Message
 
+from .admin import check_message_id
 from .config import Settings
 from .delivery import Row
 from .errors import PayloadTooLarge
 from .sql import Statements, check_queue
 from .unique import key_of
+
+#: A message id as Dramatiq makes them (``str(uuid.uuid4())``): a UUID in canonical form.
+_CANONICAL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+#: The longest delay a send may ask for (milliseconds, about 31,700 years): what PostgreSQL's
+#: timestamps can hold from now, with room to spare.
+MAX_DELAY_MS = 10**15
+
+
+def _milliseconds(message: Message, what: str, value: float) -> int:
+    """*value* (a delay of *message*, named *what*) in whole milliseconds; ``ValueError`` in one line
+    for one that is no finite number of at most ``MAX_DELAY_MS`` (the server's own error otherwise)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (isinstance(value, float) and not math.isfinite(value)) or value > MAX_DELAY_MS:
+        raise ValueError(
+            f"message {message.message_id} for actor {message.actor_name!r}: {what} of {value!r} ms is out of range "
+            f"(a finite number of at most {MAX_DELAY_MS} ms)"
+        )
+    return int(value)
+
+
+def check_canonical_id(message: Message) -> None:
+    """Refuse, in one line, a message whose id is not a UUID in canonical form.  PostgreSQL takes
+    ``"{...}"``, upper case or no hyphens as the same UUID, but the worker knows its deliveries by the
+    id as the row gives it back (canonical): a message sent under another spelling was stored and
+    then skipped at every delivery.  An id that is no UUID at all failed with the server's error.
+    (The regular expression, not :func:`.admin.check_message_id`, on this hot path: it only matches.)"""
+    message_id = message.message_id
+    if isinstance(message_id, str) and _CANONICAL_ID.fullmatch(message_id):
+        return
+    try:
+        hint = f": {check_message_id(message_id)} is its canonical form"
+    except ValueError:
+        hint = ""
+    raise ValueError(
+        f"message id {message_id!r} of actor {message.actor_name!r} is not a UUID in canonical form "
+        f"(lower case, hyphenated, as Dramatiq makes them){hint}"
+    )
+
 
 #: Rows per statement when many messages are written at once: the client
 #: encodes the next chunk while the server inserts this one (see write_messages).
@@ -93,10 +136,12 @@ class Enqueuer:
         message in memory until then and re-enqueue it under the same id.  The
         message's own ``delay`` option (``actor.message_with_options(delay=ms)``,
         what Dramatiq's pipelines read) delays it too, however it is sent; the
-        longest of the three wins.  A ``delay`` option that is no number is refused.
+        longest of the three wins.  A ``delay`` option that is no number is refused, and so is an
+        id that is not a canonical UUID (:func:`check_canonical_id`).
         """
         check_queue(message.queue_name)
-        delay_ms = max(int(delay or 0), 0)
+        check_canonical_id(message)
+        delay_ms = max(_milliseconds(message, "delay", delay or 0), 0)
         own = message.options.get("delay")
         if own is not None:
             if isinstance(own, bool) or not isinstance(own, (int, float)):
@@ -104,14 +149,16 @@ class Enqueuer:
                     f"message {message.message_id} for actor {message.actor_name!r}: options['delay'] must be a "
                     f"number of milliseconds, not {own!r}"
                 )
-            delay_ms = max(delay_ms, int(own))
+            delay_ms = max(delay_ms, _milliseconds(message, "options['delay']", own))
         eta = message.options.get("eta")
         if "eta" in message.options:  # (Message.copy merges options: it cannot drop one)
             message = dataclasses.replace(message, options={k: v for k, v in message.options.items() if k != "eta"})
-            if isinstance(eta, (int, float)):
-                delay_ms = max(delay_ms, int(eta) - current_millis())
+            if isinstance(eta, (int, float)) and not isinstance(eta, bool):
+                delay_ms = max(delay_ms, _milliseconds(message, "options['eta']", eta - current_millis()))
         actor = self.actor_of(message.actor_name)
         priority, actor_options = (actor.priority, actor.options) if actor is not None else (0, None)
+        if not -(2**31) <= priority < 2**31:
+            raise ValueError(f"actor {message.actor_name!r} has priority {priority}: the broker keeps a 32-bit integer")
         key, until = key_of(message, actor_options)
         return (
             message.message_id,

@@ -10,28 +10,29 @@
 
 The block, on a connection of the broker's pool (or one you pass):
 
-1. begins a transaction and takes the delivery's row, locked, under its fence token: still this
-   delivery's, still running (one statement, sent with the ``BEGIN`` in one round trip).  If the
-   delivery no longer holds it (its lease lapsed and it went back to the queue or to another
+1. begins a transaction and moves the delivery's row from ``running`` to ``committed``, under its
+   fence token (one simple query with the ``BEGIN``: one round trip, as a ``BEGIN`` alone).  If
+   the delivery no longer holds it (its lease lapsed and it went back to the queue or to another
    worker, or it was cancelled), :class:`~.errors.DeliveryLost` is raised before the block's body
    runs: nothing of it is written;
 2. runs the body: the actor's statements on the connection, and its sends (written on it, as in
    ``broker.transaction(conn)``).  The row stays locked: no rescue, claim, cancel or other
    delivery can take the message until the block ends;
-3. writes the delivery's ack (the outcome writer's delete, with its history row), the messages sent earlier in ``with_ack()``, and a ``committed`` row (migration 010),
-   then commits, the ack and the ``COMMIT`` in one round trip.  An ack that would not apply fails
-   the statement, so the ``COMMIT`` behind it rolls back instead.
+3. writes the messages sent earlier in ``with_ack()`` and commits: the row's new state commits
+   with the actor's writes, or rolls back with them and leaves the delivery running (a plain
+   ``COMMIT``; the ack needs nothing more).
 
-What the delivery causes after the block (the result the Results middleware stores, the next
-pipeline step, callbacks, a group's countdown) arrives once the actor returns, after that commit.
-It rides a ``committed`` outcome: the writer deletes the delivery's ``committed`` row and writes
-those effects in the same transaction, only if it deleted it, so at most once.  A worker that dies
-between the block's commit and that write loses them (the message is done; the ``committed`` row
-is purged after ``dead_message_ttl``): put what must happen exactly once inside the block.
+A ``committed`` row is done: no lease keeps it, the rescue never takes it, a cancel finds it
+finished.  The outcome writer finishes it as it finishes an ack, batched with others (its
+history row, the throughput tally), and writes what the delivery caused after the block (the
+result the Results middleware stores, the next pipeline step, callbacks, a group's countdown)
+in the same transaction, only if it takes the row, so at most once.  A worker that dies between
+the block's commit and that write loses them (the message is done; maintenance finishes the row
+``COMMITTED_GRACE_LEASES`` leases after its lease): put what must happen exactly once inside the block.
 
 An exception inside the block rolls it back and leaves the actor: the delivery takes the normal
 path (retry, dead letter).  An exception after the block cannot undo it: the message is done, the
-error is logged, and nothing is retried or dead-lettered (see :func:`failed_after_its_commit`).
+error is logged, and nothing is retried or dead-lettered (see :func:`~.delivery.failed_after_its_commit`).
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ class Fence:
         self.message = message
 
     def begin(self, conn: psycopg.Connection, *, explicit: bool) -> None:
-        """Take the delivery's row in *conn*'s transaction (*explicit*: send the ``BEGIN`` too, with it)."""
+        """Take the delivery's row in *conn*'s transaction, moving it to ``committed`` (*explicit*:
+        send the ``BEGIN`` too, in the same query)."""
         m, stmts = self.message, self._methods.statements
-        with conn.pipeline():
-            if explicit:
-                conn.execute(b"BEGIN")
+        if explicit:
+            cur: psycopg.Cursor = psycopg.ClientCursor(conn)
+            cur.execute(stmts.fence_begin, [m.message_id, m.delivery])
+            cur.nextset()
+        else:
             cur = conn.execute(stmts.fence_lock, [m.message_id, m.delivery])
         if cur.fetchone() is None:
             raise DeliveryLost(
@@ -83,9 +87,9 @@ class Fence:
             )
 
     def end(self, conn: psycopg.Connection, *, commit: bool) -> None:
-        """Write the ack (and the sends made earlier in ``with_ack()``) in *conn*'s transaction; with
-        *commit*, commit it in the same round trip.  :class:`~.errors.DeliveryLost` if the ack would
-        not apply (then nothing commits)."""
+        """Write the sends made earlier in ``with_ack()`` in *conn*'s transaction; with *commit*,
+        commit it.  The row has been this delivery's, locked, since :meth:`begin`: the ack is the
+        state the transaction commits."""
         m, methods = self.message, self._methods
         stmts, settings = methods.statements, methods.settings
         if m.ack_sends:
@@ -93,20 +97,8 @@ class Fence:
             if settings.listen:
                 conn.execute(stmts.notify, [settings.channel, look_back(sorted({r[1] for r in rows}), ring=False)])
             methods.enqueuer.write(conn, rows)
-        ack = stmts.fenced_ack_keep if settings.keep_finished > 0 else stmts.fenced_ack
-        params = {"ids": [m.message_id], "deliveries": [m.delivery]}
-        try:
-            if not commit:
-                conn.execute(ack, params)
-                return
-            with conn.pipeline():
-                conn.execute(ack, params)
-                conn.commit()
-        except psycopg.errors.DivisionByZero:
-            raise DeliveryLost(
-                f"message {m.message_id}: attempt {m.attempt} no longer holds it at the end of its fenced "
-                "transaction; nothing of it is written"
-            ) from None
+        if commit:
+            conn.commit()
 
     def committed(self) -> None:
         """The transaction committed: the message is done.  The lease keeper stops counting on the row,
@@ -142,7 +134,9 @@ class FencedTransactions:
         def parts(self) -> ProcessParts: ...
 
         @contextmanager
-        def transaction(self, conn: psycopg.Connection) -> Iterator[psycopg.Connection]: ...  # SendMethods's
+        def transaction(
+            self, conn: psycopg.Connection, *, block: str = ""
+        ) -> Iterator[psycopg.Connection]: ...  # SendMethods's
 
     def fence(self) -> Fence:
         """The fence of the delivery running on this thread (for the framework integrations).
@@ -186,7 +180,7 @@ class FencedTransactions:
                 stack.enter_context(shielded())
             try:
                 fence.begin(conn, explicit=conn.autocommit)
-                with self.transaction(conn):
+                with self.transaction(conn, block="fenced_transaction()"):
                     yield conn
                 fence.end(conn, commit=True)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
@@ -208,17 +202,4 @@ class FencedTransactions:
             fence.committed()
 
 
-def failed_after_its_commit(logger: logging.Logger, message: PostgresMessageProxy, what: str) -> None:
-    """A delivery whose fenced transaction committed fails afterwards (*what*: it would be retried, or
-    dead-lettered): the message is done, so neither happens.  Logged as an error, with the error."""
-    logger.error(
-        "Message %s (attempt %d) failed after its fenced transaction committed its writes and its ack; it is "
-        "done and is not %s: %s",
-        message.message_id,
-        message.attempt,
-        what,
-        message.error_text("an error"),
-    )
-
-
-__all__ = ["Fence", "FencedTransactions", "failed_after_its_commit"]
+__all__ = ["Fence", "FencedTransactions"]

@@ -26,6 +26,9 @@ class State(str, Enum):
 
     QUEUED = "queued"  #: waiting to be claimed (maybe delayed, or waiting for a retry's backoff)
     RUNNING = "running"  #: leased to one delivery (prefetched or running); attempt is its fence
+    #: its delivery's fenced transaction committed (exactly_once.py): done, until its outcome writer
+    #: (or, if the worker died, maintenance) finishes the row as an ack does
+    COMMITTED = "committed"
     DEAD = "dead"  #: dead-lettered; kept for ``dead_message_ttl``
     CANCELLED = "cancelled"  #: cancelled by an operator; kept for ``dead_message_ttl``
 

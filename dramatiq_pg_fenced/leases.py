@@ -156,6 +156,15 @@ class Leases:
                 if mid not in self._started and mid not in self._settled and mid not in self._lost
             ]
 
+    def waiting(self) -> dict[str, str]:
+        """The prefetched deliveries (held, not started, not lost, no outcome on its way): message id -> token."""
+        with self._lock:
+            return {
+                mid: held.delivery
+                for mid, held in self._held.items()
+                if mid not in self._started and mid not in self._settled and mid not in self._lost
+            }
+
     def is_lost(self, message_id: str) -> bool:
         with self._lock:
             return message_id in self._lost
@@ -164,6 +173,25 @@ class Leases:
         """Every held delivery, by message id."""
         with self._lock:
             return dict(self._held)
+
+    def activity(self) -> dict[str, tuple[int, int]]:
+        """Per queue: (busy: started and no outcome yet, its actor runs; prefetched: claimed, not started,
+        not lost, no outcome).  Queues with neither are left out."""
+        with self._lock:
+            out: dict[str, list[int]] = {}
+            for mid, held in self._held.items():
+                if mid in self._settled:
+                    continue
+                if mid in self._started:
+                    out.setdefault(held.queue_name, [0, 0])[0] += 1
+                elif mid not in self._lost:
+                    out.setdefault(held.queue_name, [0, 0])[1] += 1
+            return {q: (b, p) for q, (b, p) in out.items()}
+
+    def running(self) -> list[str]:
+        """The message ids whose actor runs here now (started, no outcome yet): the busy ones of :meth:`activity`."""
+        with self._lock:
+            return sorted(mid for mid in self._started if mid in self._held and mid not in self._settled)
 
     def mark_cancelled(self, message_id: str) -> None:
         """Its message was cancelled: if held and not started, it must not start (see FencedDelivery)."""
@@ -203,12 +231,13 @@ def room(prefetch: int, held: int, settled: int) -> int:
     return min(prefetch - (held - settled), 2 * prefetch - held)
 
 
-#: A delivery that waited in the prefetch longer than this (seconds) reads its
-#: row before it starts: was it cancelled or redelivered meanwhile?  (A
-#: cancellation is also announced by NOTIFY, but that may arrive a moment
-#: after the delivery starts.)  Only one claimed and started within this
-#: time of each other skips the read: a cancel() cannot fall in between
-#: unless it races the claim itself.
+#: A delivery that waited in the prefetch longer than this (seconds) since its
+#: claim, or since the last read that found its row still running under its
+#: token, reads its row before it starts: was it cancelled or redelivered
+#: meanwhile?  (A cancellation is also announced by NOTIFY, but that may arrive
+#: a moment after the delivery starts.)  Only one started within this time of
+#: its claim or of such a read skips the read: a cancel() cannot fall in
+#: between unless it races that claim or read itself.
 START_CHECK_AFTER = 0.005
 
 
@@ -219,15 +248,21 @@ class StartGate:
         self.leases = leases
         self.database = database
         self.statements = statements
+        self._reading = threading.Lock()  # one read at a time: a thread that waited for it may need none
+        #: (message id, token) -> when a read began that found the row running under that token (monotonic).
+        self._read_at: dict[tuple[str, str], float] = {}
 
     def why_not(self, message: PostgresMessageProxy) -> str | None:
         """Why *message* must not start; ``None``: it may.
 
         Not if its lease was lost or its message cancelled (heard from the
         lease keeper or a cancel notification), nor, for one that waited in
-        the prefetch, if its row is no longer running under its token (one
-        read).  A delivery that must not start is settled with nothing
-        written: the actor never runs, the row is someone else's.
+        the prefetch, if its row is no longer running under its token.  That
+        read covers every delivery waiting in the prefetch at once (one
+        statement), so while actors start faster than ``START_CHECK_AFTER``
+        apart, a read serves many starts instead of one each.  A delivery that
+        must not start is settled with nothing written: the actor never runs,
+        the row is someone else's.
         """
         held = self.leases.held(message.message_id)
         reason = None
@@ -235,14 +270,8 @@ class StartGate:
             reason = "this process no longer holds it"
         elif self.leases.is_lost(message.message_id):
             reason = "it was cancelled, or its lease was lost"
-        elif time.monotonic() - message.claimed_at > START_CHECK_AFTER:
-            params = [message.message_id, message.delivery]
-            try:
-                row = self.database.run(lambda conn: conn.execute(self.statements.still_held, params).fetchone())
-            except ConnectionClosed:
-                row = (1,)  # cannot tell: run it (at-least-once); its outcome is fenced either way
-            if row is None:
-                reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
+        elif not self._recent(message) and not self._read(message):
+            reason = "it was cancelled, or redelivered elsewhere, while it waited in the prefetch"
         if reason is None and not self.leases.start(message.message_id, message.delivery):
             reason = "it was released (the worker is shutting down) or lost meanwhile"
         if reason is not None:
@@ -251,6 +280,33 @@ class StartGate:
             if held is not None and held.delivery == message.delivery:
                 self._ended(message)
         return reason
+
+    def _recent(self, message: PostgresMessageProxy) -> bool:
+        """Was *message* claimed, or its row read running under its token, within ``START_CHECK_AFTER``?"""
+        seen = max(message.claimed_at, self._read_at.get((message.message_id, message.delivery), 0.0))
+        return time.monotonic() - seen <= START_CHECK_AFTER
+
+    def _read(self, message: PostgresMessageProxy) -> bool:
+        """Read whether *message*'s row, and every other waiting delivery's, is still running under its
+        token (one statement); returns *message*'s answer."""
+        with self._reading:
+            if self._recent(message):
+                return True  # read by the thread this one waited for
+            waiting = self.leases.waiting()
+            waiting[message.message_id] = message.delivery
+            ids, tokens = list(waiting), list(waiting.values())
+            began = time.monotonic()  # the read's snapshot is later: what it finds held was held then
+            try:
+                rows = self.database.run(
+                    lambda conn: conn.execute(self.statements.still_held_many, [ids, tokens]).fetchall()
+                )
+            except ConnectionClosed:
+                return True  # cannot tell: run it (at-least-once); its outcome is fenced either way
+            found = {(str(mid), str(token)) for mid, token in rows}
+            self._read_at = {key: began for key in found}  # a delivery that started or was dropped is forgotten here
+            # The others found gone must not start either: lost now, they need no read of their own.
+            self.leases.mark_lost(waiting, {mid for mid, _ in found})
+            return (message.message_id, message.delivery) in found
 
     def _ended(self, message: PostgresMessageProxy) -> None:
         """A delivery that will not start: if its row was cancelled, it no longer says its actor runs.
@@ -263,7 +319,9 @@ class StartGate:
 
 
 class LeaseKeeper(Periodic):
-    """Extends every lease this process holds, in one statement, every ``lease_seconds / 3``."""
+    """Extends every lease this process holds, in one statement, every ``lease_seconds / 3``, on a
+    connection of its own: made when there is a lease to extend, closed at a tick with none (an idle
+    worker holds no connection for it)."""
 
     name = "dramatiq-pg-leases"
     what = "Lease keeper"
@@ -299,7 +357,8 @@ class LeaseKeeper(Periodic):
         if len(kept) < len(tokens):
             rest = {mid: token for mid, token in tokens.items() if mid not in kept}
             rows = conn.execute(self.statements.delivery_states, [list(rest), list(rest.values())]).fetchall()
-            kept |= {str(r[0]) for r in rows if r[2] == State.RUNNING.value}  # locked elsewhere: extended next time
+            # Locked elsewhere: extended next time; committed by its fenced transaction: done, not lost.
+            kept |= {str(r[0]) for r in rows if r[2] in (State.RUNNING.value, State.COMMITTED.value)}
             cancelled = [(str(r[0]), str(r[1])) for r in rows if r[2] == State.CANCELLED.value]
         return kept, cancelled
 
@@ -327,6 +386,9 @@ class LeaseKeeper(Periodic):
 
     def stop(self) -> None:
         super().stop()
+        self._close()
+
+    def _close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -343,6 +405,7 @@ class LeaseKeeper(Periodic):
         kept: set[str] = set()
         cancelled: list[tuple[str, str]] = []
         if not tokens and self.leases.cancelled() == ({}, {}):
+            self._close()  # idle: a connection per process fewer; made again with the next lease
             return set()
         conn = self._connection()
         try:
@@ -385,7 +448,9 @@ class LeaseKeeper(Periodic):
 
 
 class CancelWatch(Periodic):
-    """Without LISTEN: reads the rows of the interruptible deliveries running here every ``poll_interval``."""
+    """While this process does not listen: reads the rows of the interruptible deliveries running here
+    every ``poll_interval``.  Without LISTEN (PgBouncer), or while another process listens for this
+    one's queues (turns.py: one listener per set of queues), no ``!interrupt`` reaches it."""
 
     name = "dramatiq-pg-cancel-watch"
     what = "Cancel watch"
@@ -397,14 +462,23 @@ class CancelWatch(Periodic):
         statements: Statements,
         settings: Settings,
         logger: logging.Logger,
+        *,
+        hears: Callable[[], int | None] | None = None,
     ) -> None:
         super().__init__(settings.poll_interval, logger)
         self.interrupter = interrupter
         self.database = database
         self.statements = statements
+        #: Does this process hear the notifications now: ``None`` if not, else how many times it began
+        #: to listen (turns.Turns.hearing).  (``hears`` itself ``None``: never: no LISTEN.)
+        self.hears = hears
+        self._heard: int | None = None
 
     def tick(self) -> None:
-        self.check()
+        heard = self.hears() if self.hears is not None else None
+        if heard is None or heard != self._heard:  # not listening, or a cancel may have come before it did
+            self.check()
+        self._heard = heard
 
     def check(self) -> int:
         """Interrupt every running interruptible delivery whose row was cancelled; returns how many."""

@@ -1,5 +1,10 @@
 """Maintenance: the chores of a consuming process, on a thread apart from lease extension.
 
+While the listening processes take turns (turns.py), rescue, purge and
+history are done by one of them per window of their period, in turn, not by
+every process; each process does them all while its turns are unknown (its
+LISTEN connection down, or ``listen=False``).
+
 - **Rescue**, every ``rescue_interval``: rows of any process whose lease
   expired go back to their queue (a crashed or paused worker's messages are
   claimable again within one interval), keeping their place in line; a
@@ -12,6 +17,13 @@
   table (not its owner) leaves it to autovacuum, and says so once.
 - **Purge**, once a minute: dead letters and cancellations older than
   ``dead_message_ttl``, and outcome tallies older than two hours.
+- **Heartbeat**, every ``processes.HEARTBEAT_SECONDS`` while a worker runs in
+  this process: its row in ``process``, on a connection of the pool, as the rescue
+  (see :mod:`.processes`); the purge deletes the rows of processes gone for an hour.
+- **Samples** for the console's charts, tried every ``charts.SAMPLE_EVERY``
+  seconds in a process that runs a worker: the first process to try in a minute
+  takes that minute's sample (see :mod:`.charts`); the purge deletes samples
+  older than a day.
 - **History**, every ``HISTORY_PURGE_EVERY`` seconds: acked messages older than
   ``keep_finished``, oldest first, in batches of ``HISTORY_BATCH`` rows, each
   its own short transaction (``SKIP LOCKED``: processes never wait for each
@@ -25,27 +37,33 @@ and rate-limit backends, triggered by their use rather than by a thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
 import time
 from collections.abc import Callable
 
+from . import charts
 from .config import Settings
 from .database import Database
 from .doorbell import look_back
 from .fencing import State
 from .leases import Leases
 from .periodic import Periodic
+from .processes import PURGE_AFTER, Heartbeat
 from .sql import Statements
+from .turns import Turns
 
 #: Claims by this process between two vacuums of the message table, and the
 #: shortest pause between them (seconds).
 VACUUM_AFTER_CLAIMS = 5000
 VACUUM_MIN_INTERVAL = 10.0
-#: Seconds a fenced transaction's ``committed`` row is kept at least (migration 010): its effects are
-#: written with its deletion, so it must outlive any writer backlog.
-COMMITTED_KEEP = 3600
+#: Leases (``lease_seconds`` each) past its lease a message its fenced transaction committed waits for
+#: its worker's outcome writer (migration 016), which writes its effects as it finishes it, before the
+#: rescue finishes it without them (its worker died after the commit).  The keeper stops extending the
+#: row as the block commits, and the writer finishes it milliseconds later unless the database is away.
+COMMITTED_GRACE_LEASES = 10
 #: Seconds between two purges of old dead letters and cancellations.
 PURGE_EVERY = 60.0
 #: Rows deleted per bounded purge statement (a purge runs a few of them).
@@ -65,21 +83,48 @@ class Maintenance(Periodic):
     what = "Maintenance"
 
     def __init__(
-        self, leases: Leases, database: Database, statements: Statements, settings: Settings, logger: logging.Logger
+        self,
+        leases: Leases,
+        database: Database,
+        statements: Statements,
+        settings: Settings,
+        logger: logging.Logger,
+        *,
+        heartbeat: Heartbeat | None = None,
+        turns: Turns | None = None,
     ) -> None:
         super().__init__(settings.rescue_interval, logger)
+        self.heartbeat = heartbeat
+        self.turns = turns
         self.leases = leases
         self.database = database
         self.statements = statements
         self.settings = settings
         self._last_purge = 0.0
+        self._last_finish = -math.inf
         self._last_history_purge = 0.0
+        self._last_sample = 0.0
+        self._history_behind = False
         self._vacuumed_at_claims = 0
         self._last_vacuum = 0.0
         self._may_vacuum: bool | None = None
 
+    def next_wait(self) -> float:
+        """The interval, on the grid of the process's chores (turns.py): a rescue never falls on one
+        of its idle polls, so that an idle process needs one pooled connection."""
+        if self.turns is None:
+            return self.interval
+        return self.turns.until_grid("rescue", self.interval)
+
+    def _mine(self, chore: str, period: float) -> bool:
+        return self.turns is None or self.turns.mine(chore, period)
+
     def tick(self) -> None:
-        self.rescue()
+        if self.turns is None or self.turns.on_duty(self.interval):
+            self.rescue()
+        if self.heartbeat is not None and self.heartbeat.due():
+            with self.database.connection(raw=True) as conn:  # (one pooled connection, as the rescue's)
+                self.heartbeat.beat(conn)
         claims = self.leases.claims
         if (
             claims - self._vacuumed_at_claims >= VACUUM_AFTER_CLAIMS
@@ -88,23 +133,48 @@ class Maintenance(Periodic):
             self._vacuumed_at_claims = claims
             self._last_vacuum = time.monotonic()
             self.vacuum()
-        if time.monotonic() - self._last_purge > PURGE_EVERY:
+        if (
+            self.heartbeat is not None
+            and self.heartbeat.active  # a process running a worker: the charts' sample
+            and time.monotonic() - self._last_sample > charts.SAMPLE_EVERY
+        ):
+            self._last_sample = time.monotonic()
+            with self.database.connection(raw=True) as conn:
+                charts.take_sample(conn, self.statements)
+        if time.monotonic() - self._last_purge > PURGE_EVERY and self._mine("purge", PURGE_EVERY):
             self._last_purge = time.monotonic()
             self.purge()
-        if time.monotonic() - self._last_history_purge > HISTORY_PURGE_EVERY:
-            if self.purge_history() < HISTORY_BATCH:  # else: behind, go on at the next tick
+        if time.monotonic() - self._last_history_purge > HISTORY_PURGE_EVERY and (
+            self._history_behind or self._mine("history", HISTORY_PURGE_EVERY)
+        ):
+            self._history_behind = self.purge_history() >= HISTORY_BATCH  # behind: go on at the next tick
+            if not self._history_behind:
                 self._last_history_purge = time.monotonic()
 
     def rescue(self) -> int:
         """Return expired leases (of any process) to their queues, or dead-letter them at ``max_deliveries``.
 
-        Returns how many rows it took back.
+        Returns how many rows it took back.  Also finishes the messages whose fenced transaction
+        committed and whose worker died before its outcome writer finished them (as done, without
+        what they caused after their block: see :data:`COMMITTED_GRACE_LEASES`).
         """
         with self.database.connection(raw=True) as conn:
             rows = conn.execute(self.statements.rescue, {"max": self.settings.max_deliveries}).fetchall()
+            finished = None
+            if time.monotonic() - self._last_finish >= self.settings.lease_seconds:  # (a grace of ten leases)
+                self._last_finish = time.monotonic()
+                finish = self.statements.finish_committed_keep if self.settings.keep_finished > 0 else self.statements.finish_committed
+                grace = COMMITTED_GRACE_LEASES * self.settings.lease_seconds
+                finished = conn.execute(finish, {"grace": grace, "writer": "maintenance"}).fetchone()
             queued = sorted({r[1] for r in rows if r[3] == State.QUEUED.value})
             if queued and self.settings.listen:
                 conn.execute(self.statements.notify, [self.settings.channel, look_back(queued)])
+        if finished and finished[0]:
+            self.logger.warning(
+                "%d message(s) whose fenced transaction committed were finished by the rescue: their worker "
+                "stopped before writing what they caused after the block.",
+                finished[0],
+            )
         for message_id, queue_name, attempt, state in rows:
             if state == State.QUEUED.value:
                 self.logger.warning(
@@ -151,8 +221,8 @@ class Maintenance(Periodic):
         with self.database.connection(raw=True) as conn:
             conn.execute(self.statements.purge_finished, [self.settings.dead_message_ttl])
             conn.execute(self.statements.purge_throughput)
-            # Left by workers that died between a fenced transaction's commit and its effects' write.
-            conn.execute(self.statements.purge_committed, [max(self.settings.dead_message_ttl, COMMITTED_KEEP)])
+            conn.execute(self.statements.process_purge, [PURGE_AFTER])
+            conn.execute(self.statements.sample_purge, [charts.KEEP_SAMPLES])
 
     def purge_history(self) -> int:
         """Delete history older than ``keep_finished`` in bounded batches; returns the last batch's size."""

@@ -10,8 +10,9 @@ name                                   type     meaning (labels)
 =====================================  =======  ==========================================
 ``dramatiq_pg_up``                     gauge    1 if the database answered this scrape
 ``dramatiq_pg_messages``               gauge    messages by ``queue`` and ``state``: queued,
-                                                running (prefetched included), dead,
-                                                cancelled
+                                                running (its actor started), prefetched
+                                                (claimed, waiting in a worker's prefetch),
+                                                dead, cancelled
 ``dramatiq_pg_delayed_messages``       gauge    queued messages due later (``queue``;
                                                 counted in ``state="queued"`` too)
 ``dramatiq_pg_oldest_due_age_seconds`` gauge    how long the oldest due message has waited
@@ -22,14 +23,23 @@ name                                   type     meaning (labels)
 ``dramatiq_pg_done_last_minute``       gauge    messages acked in the last 60 s (``queue``)
 ``dramatiq_pg_done_last_hour``         gauge    messages acked in the last hour (``queue``)
 ``dramatiq_pg_dead_last_hour``         gauge    messages dead-lettered in the last hour (``queue``)
+``dramatiq_pg_finished_total``         counter  messages acked (``queue``), ever
+``dramatiq_pg_dead_lettered_total``    counter  messages dead-lettered by a nack (``queue``)
+``dramatiq_pg_retried_total``          counter  retries written (``queue``)
 ``dramatiq_pg_redeliveries_total``     counter  expired leases put back for redelivery
 ``dramatiq_pg_stale_writes_total``     counter  fenced-out writes of stale deliveries (``queue``;
                                                 ``""``: queue not known or not listed)
+``dramatiq_pg_relay_conflicts_total``  counter  messages relayed here from another database
+                                                (routing.py) and refused: id or unique key taken
 =====================================  =======  ==========================================
 
 Counts are exact (each scrape reads the claim index of every queue); the
-"last minute / hour" figures come from per-minute tallies the ack and nack
-statements keep (see ``sql.py``), history kept or not.
+"last minute / hour" figures come from per-minute tallies the ack, nack and
+retry statements keep (see ``sql.py``), history kept or not, and so do the
+``_total`` counters: the tallies of two hours and more ago are folded into
+``outcome_total`` as they are purged, so the counters never go down
+(``rate()`` over any window works).  A queue appears in them once it has had
+an outcome.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ except ImportError as e:  # pragma: no cover - the 'prometheus' extra
 #: Content type of the text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: The states of ``dramatiq_pg_messages``: a message's, as everywhere (``delayed`` is a part of ``queued``).
-STATES = ("queued", "running", "dead", "cancelled")
+STATES = ("queued", "running", "prefetched", "dead", "cancelled")
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +81,7 @@ class QueueCollector(Collector):
         try:
             queues = admin.overview(self.database, self.statements)
             counters = admin.counters(self.database, self.statements)
+            totals = admin.outcome_totals(self.database, self.statements)
         except Exception as e:  # a scrape must still answer: up 0 says why there is nothing else
             logger.warning("Metrics: cannot read the queues: %s", e)
             up.add_metric([], 0)
@@ -78,11 +89,14 @@ class QueueCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        yield from families(queues, counters)
+        yield from families(queues, counters, totals)
 
 
-def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator[Metric]:
-    """The metric families for an :func:`.admin.overview` and the counters (pure: no database)."""
+def families(
+    queues: list[dict[str, Any]], counters: dict[str, int], totals: dict[str, dict[str, int]] | None = None
+) -> Iterator[Metric]:
+    """The metric families for an :func:`.admin.overview`, the counters and the
+    :func:`.admin.outcome_totals` (pure: no database)."""
     messages = GaugeMetricFamily("dramatiq_pg_messages", "Messages by queue and state", labels=["queue", "state"])
     delayed = GaugeMetricFamily(
         "dramatiq_pg_delayed_messages", "Queued messages due later (counted in state=queued too)", labels=["queue"]
@@ -118,7 +132,21 @@ def families(queues: list[dict[str, Any]], counters: dict[str, int]) -> Iterator
         known += q["stale_writes"]
     # Writes whose queue was not known (result writes) or whose queue has no rows left.
     stale.add_metric([""], max(counters.get("stale_writes", 0) - known, 0))
-    yield from (redeliveries, stale)
+    # Messages a relay of a RoutedBroker moved here that this database refused (routing.py).
+    conflicts = CounterMetricFamily(
+        "dramatiq_pg_relay_conflicts", "Relayed messages not inserted: their id or unique key was taken"
+    )
+    conflicts.add_metric([], counters.get("relay_conflicts", 0))
+    yield from (redeliveries, stale, conflicts)
+    ever = (
+        ("finished_total", CounterMetricFamily("dramatiq_pg_finished", "Messages acked", labels=["queue"])),
+        ("dead_total", CounterMetricFamily("dramatiq_pg_dead_lettered", "Messages dead-lettered", labels=["queue"])),
+        ("retried_total", CounterMetricFamily("dramatiq_pg_retried", "Retries written", labels=["queue"])),
+    )
+    for key, family in ever:
+        for name, figures in sorted((totals or {}).items()):
+            family.add_metric([name], figures[key])
+        yield family
 
 
 def registry(database: Database, statements: Statements) -> CollectorRegistry:
@@ -131,3 +159,33 @@ def registry(database: Database, statements: Statements) -> CollectorRegistry:
 def exposition(reg: CollectorRegistry) -> bytes:
     """The text exposition of *reg*, as ``/metrics`` serves it."""
     return generate_latest(reg)
+
+
+class DatabasesCollector:
+    """The :class:`~.metrics.QueueCollector` of each database, one family per metric, every sample
+    labelled with its ``database`` (a database that does not answer says so in ``dramatiq_pg_up``).
+    *router*: a :class:`~.routing.RoutedBroker`, or anything whose ``shards`` have a ``reader`` and ``statements``
+    (a :class:`~.fleet.Fleet`: the CLI's ``--url NAME=URL``, repeated)."""
+
+    def __init__(self, router: Any) -> None:
+        self.collectors = {name: QueueCollector(shard.reader, shard.statements) for name, shard in router.shards.items()}
+
+    def collect(self) -> Iterator[Any]:
+        families: dict[str, Any] = {}
+        for name, collector in self.collectors.items():
+            for family in collector.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "database": name}, sample.value)
+        yield from families.values()
+
+
+def databases_registry(owner: Any) -> Any:
+    """A registry of :class:`DatabasesCollector` over *owner*'s ``shards`` (a
+    :class:`~.routing.RoutedBroker` or a :class:`~.fleet.Fleet`): every sample labelled with its
+    ``database``; serve it with :func:`exposition`."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(DatabasesCollector(owner))
+    return reg

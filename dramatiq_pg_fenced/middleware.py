@@ -97,6 +97,16 @@ class FencedDelivery(Middleware):
                     type(m).__name__,
                 )
 
+    def after_worker_boot(self, broker: Any, worker: Any) -> None:
+        register = getattr(broker, "worker_started", None)
+        if register is not None:  # this process's row in the process table (processes.py)
+            register(worker)
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        unregister = getattr(broker, "worker_stopped", None)
+        if unregister is not None:
+            unregister()
+
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         release = getattr(broker, "release_unstarted", None)
         if release is not None:

@@ -39,8 +39,14 @@ def available() -> list[tuple[int, str, str]]:
     return found
 
 
+def versions() -> list[int]:
+    """The version of every migration, in order: the file names alone (a worker's start-up check reads
+    no SQL text)."""
+    return sorted(int(m.group(1)) for path in _sql_dir().iterdir() if (m := _FILE_RE.fullmatch(path.name)))
+
+
 def latest_version() -> int:
-    return available()[-1][0]
+    return versions()[-1]
 
 
 def _lock_key(schema: str) -> int:
@@ -124,12 +130,13 @@ def _create_schema(conn: psycopg.Connection, schema: str) -> None:
 def check(conn: psycopg.Connection, schema: str, url_hint: str = "URL") -> None:
     """Raise :class:`SchemaError` unless every migration of this package is applied to *schema*."""
     applied = applied_versions(conn, schema)
-    have, want = max(applied, default=0), latest_version()
+    known = versions()
+    have, want = max(applied, default=0), known[-1]
     if have > want:
         raise SchemaError(
             f"schema {schema!r} is at version {have}, newer than this dramatiq-pg-fenced ({want}); upgrade the package"
         )
-    missing = [version for version, _, _ in available() if version not in applied]
+    missing = [version for version in known if version not in applied]
     if missing:
         what = (
             "has no dramatiq-pg-fenced schema"

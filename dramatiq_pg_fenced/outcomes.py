@@ -379,9 +379,9 @@ class OutcomeWriter:
         with self.database.connection(raw=True) as conn, self._transaction(conn):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if committed := [o for o in by_kind[Write.ACK] if o.committed]:
-                # Acked by their fenced transaction: their effects apply if their committed row is here.
+                # Committed by their fenced transaction: their effects apply if their row is still here.
                 done = {"ids": [o.message_id for o in committed], "deliveries": [o.delivery for o in committed]}
-                rows = conn.execute(stmts.committed_done, {**done, "writer": self.writer}).fetchall()
+                rows = conn.execute(self._committed_statement(relaxed=False), {**done, "writer": self.writer}).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
             if acks := [o for o in by_kind[Write.ACK] if not o.committed]:
                 ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
@@ -399,22 +399,29 @@ class OutcomeWriter:
             if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
                     stmts.retry,
-                    [
-                        [o.message_id for o in retries],
-                        [o.delivery for o in retries],
-                        [o.payload for o in retries],
-                        [o.delay_ms for o in retries],
-                        [o.error for o in retries],
-                    ],
+                    {
+                        "ids": [o.message_id for o in retries],
+                        "deliveries": [o.delivery for o in retries],
+                        "payloads": [o.payload for o in retries],
+                        "delays": [o.delay_ms for o in retries],
+                        "errors": [o.error for o in retries],
+                        "writer": self.writer,
+                    },
                 ).fetchall()
                 applied.update((str(r[0]), str(r[1])) for r in rows)
                 wakes = retry_wakes([o for o in retries if (o.message_id, o.delivery) in applied])
                 if wakes and self.settings.listen:
                     conn.execute(stmts.notify, [self.settings.channel, wakes])
+            done_after_all: set[int] = set()  # (ids of the outcomes of deliveries that committed after all)
+            if failed := [
+                o for o in by_kind[Write.NACK] + by_kind[Write.RETRY] if (o.message_id, o.delivery) not in applied
+            ]:
+                done_after_all = {id(o) for o in self._committed_after_all(conn, failed)}
             misses: list[Miss] = [
                 (o.kind, o.message_id, o.attempt, o.delivery)
                 for o in batch
                 if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied
+                and id(o) not in done_after_all
             ]
             if any(o.result is not None for o in batch):
                 misses += self._write_results(conn, by_kind, applied)
@@ -424,12 +431,32 @@ class OutcomeWriter:
             dropped = [
                 o
                 for o in batch
-                if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied | written_before
+                if o.kind is not Write.RESULT
+                and (o.message_id, o.delivery) not in applied | written_before
+                and id(o) not in done_after_all
             ]
             self.stale.drop_effects(dropped)
         for outcome in batch:
             if outcome.kind is Write.NACK and (outcome.message_id, outcome.delivery) in applied:
                 self.on_dead(outcome.message_id, outcome.exception)
+
+    def _committed_after_all(self, conn: psycopg.Connection, failed: list[Outcome]) -> list[Outcome]:
+        """Of the nacks and retries that did not apply, those of deliveries whose fenced transaction
+        committed although the delivery could not tell (the connection broke at its ``COMMIT``; see
+        :mod:`.exactly_once`): their rows are finished as acks now (nothing of the failure is
+        written: the message is done) and they are not stale writes.  Returns them."""
+        params = {"ids": [o.message_id for o in failed], "deliveries": [o.delivery for o in failed]}
+        rows = conn.execute(self._committed_statement(relaxed=False), {**params, "writer": self.writer}).fetchall()
+        done = {(str(r[0]), str(r[1])) for r in rows}
+        found = [o for o in failed if (o.message_id, o.delivery) in done]
+        for o in found:
+            self.logger.info(
+                "Message %s (attempt %d): its fenced transaction had committed (the reply was lost); it is done, "
+                "and its failure afterwards is neither retried nor dead-lettered.",
+                o.message_id,
+                o.attempt,
+            )
+        return found
 
     def _write_acks(self, acks: list[Outcome]) -> None:
         """Acks and nothing else (no result, follow-up or countdown): the ack statement alone is their
@@ -456,14 +483,20 @@ class OutcomeWriter:
                 )
 
     def _write_committed(self, outcomes: list[Outcome]) -> None:
-        """Deliveries acked by their fenced transaction that caused nothing since: their committed rows
-        go, in one statement (see migration 010).  One already gone was written before a lost
-        connection, or purged: nothing to write either way."""
-        stmts = self.statements
-        statement = stmts.committed_done if self.settings.durable_outcomes else stmts.committed_done_relaxed
+        """Deliveries whose fenced transaction committed and that caused nothing since: their rows are
+        finished as acks are, in one statement (see migration 016).  One already gone was written
+        before a lost connection, or finished by maintenance: nothing to write either way."""
+        statement = self._committed_statement(relaxed=not self.settings.durable_outcomes)
         params = {"ids": [o.message_id for o in outcomes], "deliveries": [o.delivery for o in outcomes]}
         with self.database.connection(raw=True) as conn:
             conn.execute(statement, {**params, "writer": self.writer})
+
+    def _committed_statement(self, *, relaxed: bool) -> bytes:
+        """The ack of rows their fenced transaction committed (``committed_done``), as :meth:`_ack_statement`."""
+        stmts = self.statements
+        if self.settings.keep_finished > 0:
+            return stmts.committed_done_keep_relaxed if relaxed else stmts.committed_done_keep
+        return stmts.committed_done_relaxed if relaxed else stmts.committed_done
 
     def _ack_statement(self, *, relaxed: bool) -> bytes:
         """The ack, moving rows to the history table when it is kept; *relaxed*: without waiting for the flush."""
@@ -498,7 +531,14 @@ class OutcomeWriter:
     def _write_effects(self, conn: psycopg.Connection, applied: list[Outcome]) -> None:
         """Follow-up messages and group countdowns of outcomes that applied, in their transaction."""
         rows: list[Row] = [row for o in applied for row in o.follow_ups]
-        for countdown in (c for o in applied for c in o.countdowns):
+        self.write_countdowns(conn, [c for o in applied for c in o.countdowns], rows)
+
+    def write_countdowns(self, conn: psycopg.Connection, countdowns: list[Countdown], rows: list[Row] | None = None) -> None:
+        """Count *countdowns* down, in order, and send the completions of the groups they clear (with
+        *rows*), in the caller's transaction on *conn*: an ack's here, or the transaction in which a
+        relay applies countdowns moved from other databases (groups.py)."""
+        rows = [] if rows is None else rows
+        for countdown in countdowns:
             if self._count_down(conn, countdown):
                 rows.extend(countdown.completions)
         if rows:

@@ -26,13 +26,16 @@ from .interrupt import Interrupter
 from .leases import CancelWatch, LeaseKeeper, Leases, StartGate
 from .maintenance import Maintenance
 from .outcomes import OutcomeWriter
+from .processes import Heartbeat
 from .schedules import Scheduler, Schedules
 from .sql import Statements
+from .turns import Answered, Turns
 
 
 class ProcessParts:
     """The lease registry and keeper, the start gate, the interrupter and its cancel watch, the maintenance
-    loop, the outcome writer and the scheduler of one process."""
+    loop and its heartbeat, the outcome writer, the scheduler and the turns (who does the idle chores)
+    of one process."""
 
     def __init__(
         self,
@@ -51,13 +54,22 @@ class ProcessParts:
         self.leases = Leases()
         self.lost_claims = LostClaims()
         self.look_back = LookBack()
+        # "" joined as it consumes; each time it begins to listen, its consumers look back (a "!back" went unheard)
+        self.turns = Turns(statements, settings.schema, groups=(), heard=self.look_back.request_all)
+        self.answered = Answered()
         self.interrupter = Interrupter(logger)
         self.keeper = LeaseKeeper(
             self.leases, database, statements, settings, logger, on_cancelled=self.interrupter.cancelled
         )
-        self.cancel_watch = CancelWatch(self.interrupter, database, statements, settings, logger)
+        self.cancel_watch = CancelWatch(
+            self.interrupter, database, statements, settings, logger, hears=self.turns.hearing if settings.listen else None
+        )
         self.gate = StartGate(self.leases, database, statements)
-        self.maintenance = Maintenance(self.leases, database, statements, settings, logger)
+        #: This process's row in ``process`` (written only while a worker runs here).
+        self.heartbeat = Heartbeat(self.leases, database, statements, writer, tick=settings.rescue_interval)
+        self.maintenance = Maintenance(
+            self.leases, database, statements, settings, logger, heartbeat=self.heartbeat, turns=self.turns
+        )
         self.writer = OutcomeWriter(
             database, statements, settings, self.leases, self.stale, logger, on_dead=on_dead, writer=writer
         )

@@ -223,7 +223,9 @@ class FencedGroupCallbacks(GroupCallbacks):
     its database and schema, the countdown and the completion messages are
     written in the transaction of the member's ack, only if that ack applies:
     each member counts once, the completion is sent once.  Anything else is
-    handled as Dramatiq does.
+    handled as Dramatiq does.  On a :class:`~.routing.RoutedBroker`, the backend's database is
+    the groups' home, and members of other databases count down through their outbox
+    (see :mod:`.groups`).
     """
 
     counts_with_the_ack = True  #: what ``FencedDelivery`` looks for at worker boot
@@ -240,6 +242,9 @@ class FencedGroupCallbacks(GroupCallbacks):
 
     def _shares(self, broker: Any) -> bool:
         backend = self.rate_limiter_backend
+        home_of = getattr(broker, "home_of", None)  # a RoutedBroker: one of its databases (groups.py)
+        if home_of is not None:
+            return home_of(backend) is not None
         return (
             isinstance(backend, PostgresBackend)
             and getattr(broker, "database", None) is backend.database

@@ -396,6 +396,19 @@ class PacedPool(ConnectionPool):
         kwargs.setdefault("check", check_connection)
         super().__init__(conninfo, **kwargs)
 
+    def _shrink_pool(self) -> None:
+        """Every ``max_idle`` seconds: close every connection above ``min_size`` that stayed unused
+        all that time, not one of them per ``max_idle`` as psycopg_pool does: a worker's start (every
+        consumer's first claim at once) leaves a pool that an idle worker must not keep for hours
+        (docs/operating.md, "Connections")."""
+        with self._lock:
+            unused = self._nconns_min
+        for _ in range(max(unused, 1)):
+            before = self._nconns
+            super()._shrink_pool()  # after the first, what is idle now is what stayed unused
+            if self._nconns >= before:
+                break
+
     def schedule_task(self, task: Any, delay: float) -> None:
         if isinstance(task, AddConnection):
             delay = min(delay, random.uniform(_MIN_GAP, RETRY_INTERVAL))

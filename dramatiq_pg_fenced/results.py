@@ -302,7 +302,7 @@ class PostgresBackend(ResultBackend):
     def _write_pending(self, message: PostgresMessageProxy) -> None:
         write = message.pending_result
         if write is None or message.settled or message.committed:
-            return  # (committed: its row is gone; the result rides the outcome, fenced on its committed row)
+            return  # (committed: the result rides the outcome that finishes its committed row, fenced on it)
         try:
             self._store_now(write, [State.RUNNING])
         except BrokerConnectionError:

@@ -74,7 +74,6 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import psycopg
-from cronsim import CronSim, CronSimError
 from dramatiq.message import Message
 
 from .config import Settings
@@ -107,6 +106,21 @@ PURGE_BATCH = 5000
 MAX_TICKS_PER_PASS = 1000
 #: Names: letters, digits and ``._:-`` (at most 200).
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+class CronError(ValueError):
+    """A cron expression that cronsim refuses (its ``CronSimError``, which this module does not import
+    until a cron schedule is read: a worker without one never loads cronsim)."""
+
+
+def _cron_tick(expr: str, start: datetime, *, reverse: bool = False) -> datetime:
+    """The next tick of *expr* after *start* (before it with *reverse*); ``StopIteration`` when none."""
+    from cronsim import CronSim, CronSimError
+
+    try:
+        return next(CronSim(expr, start, reverse=reverse))
+    except CronSimError as e:
+        raise CronError(str(e)) from e
 
 
 # -- when ticks fall (pure: no database) --------------------------------------------
@@ -149,7 +163,7 @@ class Timing:
             raise ValueError(f"unknown time zone {zone!r} (an IANA name such as 'Europe/Paris' or 'UTC')") from None
         try:
             first = timing.after(datetime.now(UTC))
-        except CronSimError as e:
+        except CronError as e:
             raise ValueError(f"bad cron expression {cron!r}: {e}") from None
         if first is None:
             raise ValueError(f"cron expression {cron!r} never matches (in the next 50 years)")
@@ -170,7 +184,7 @@ class Timing:
             return _at((ms // self.every_ms + 1) * self.every_ms)
         assert self.cron is not None
         try:
-            return next(CronSim(self.cron, moment.astimezone(self.zone()))).astimezone(UTC)
+            return _cron_tick(self.cron, moment.astimezone(self.zone())).astimezone(UTC)
         except StopIteration:
             return None
 
@@ -187,7 +201,7 @@ class Timing:
         # daylight-saving rules exactly as the schedulers do.
         floor = moment.replace(microsecond=0)
         try:
-            back = next(CronSim(self.cron, (floor + timedelta(microseconds=1)).astimezone(self.zone()), reverse=True))
+            back = _cron_tick(self.cron, (floor + timedelta(microseconds=1)).astimezone(self.zone()), reverse=True)
         except StopIteration:
             return None
         start = max(since, back.astimezone(UTC) - timedelta(hours=3))
@@ -552,7 +566,7 @@ class Scheduler(Periodic):
                 if len(batch) < MAX_TICKS_PER_PASS:
                     return ticks
                 since, missed = batch[-1], "skip"
-        except (CronSimError, ZoneInfoNotFoundError, ValueError) as e:
+        except (CronError, ZoneInfoNotFoundError, ValueError) as e:
             self.logger.warning(
                 "Schedule %r: the definition it replaces (%s) cannot be read here (%s); "
                 "its ticks still owed are not enqueued.",
@@ -677,7 +691,7 @@ def overview(database: Database, statements: Statements) -> list[dict[str, Any]]
         try:
             since = max(now, item["last_tick"] or now)
             item["next_tick"] = None if item["stale"] else timing.after(since)
-        except (CronSimError, ZoneInfoNotFoundError, ValueError):
+        except (CronError, ZoneInfoNotFoundError, ValueError):
             item["next_tick"] = None  # stored by another version of the definition rules
         found.append(item)
     return found

@@ -106,7 +106,7 @@ class SendMethods:
             self.emit_after("enqueue", message, delay)
 
     @contextmanager
-    def transaction(self, conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
+    def transaction(self, conn: psycopg.Connection, *, block: str = "") -> Iterator[psycopg.Connection]:
         """Enqueue on *conn*, inside the caller's own transaction (the outbox pattern).
 
         Messages sent in this thread inside the block are written with the
@@ -117,14 +117,20 @@ class SendMethods:
         :meth:`batch` (which would otherwise write it outside the caller's
         transaction, whatever that transaction does); ``with_ack()`` inside it
         is refused (:class:`~.errors.NestedSendError`).
+
+        *block*: what the caller's code opened (``fenced_transaction()``...), for that error's message.
         """
-        previous, batch = getattr(self._local, "conn", None), getattr(self._local, "batch", None)
-        self._local.conn, self._local.batch = conn, None
+        previous = (
+            getattr(self._local, "conn", None),
+            getattr(self._local, "batch", None),
+            getattr(self._local, "block", ""),
+        )
+        self._local.conn, self._local.batch, self._local.block = conn, None, block or "broker.transaction(conn)"
         try:
             with delivery.deferred(delivery.AT_ONCE):
                 yield conn
         finally:
-            self._local.conn, self._local.batch = previous, batch
+            self._local.conn, self._local.batch, self._local.block = previous
 
     def _insert(self, items: list[tuple[Message, int | None]]) -> list[str] | None:
         """Write *items*; ``None``, or with unique keys the id each send stands for (see Enqueuer.write)."""
@@ -160,10 +166,11 @@ class SendMethods:
         commits or not (:class:`~.errors.NestedSendError`).
         """
         if getattr(self._local, "conn", None) is not None:
+            block = self._local.block
             raise NestedSendError(
-                "with_ack() inside broker.transaction(conn): its messages would be sent with the delivery's "
-                "ack whether or not your transaction commits. Send them in the transaction (they commit "
-                "with it), or open with_ack() outside broker.transaction()."
+                f"with_ack() inside {block}: its messages would be sent with the delivery's ack whether or not "
+                f"{block}'s transaction commits. Send them in the block (they commit with it), or open "
+                f"with_ack() outside {block}."
             )
         with delivery.deferred(delivery.ACK):
             yield

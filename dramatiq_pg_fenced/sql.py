@@ -21,8 +21,13 @@ from       to         statement        who, and the fence
 queued     running    claim            a consumer; attempt + 1, a new token, a lease; not if paused
 running    (deleted)  ack              the outcome writer; fenced on the token
 running    history    ack_keep         the same, and the row moves to ``history``
-running    (deleted)  fenced_ack(_keep) the actor's fenced transaction, with its own writes;
-                                       its row locked (fence_lock) since the block began
+running    committed  fence_begin      the actor's fenced transaction, as it begins; fenced
+                                       on the token; the row stays locked, and the state
+                                       commits with the actor's writes or not at all
+committed  (deleted)  committed_done   the outcome writer; fenced on the token; as ack
+committed  history    committed_done_keep  the same, and the row moves to ``history``
+committed  history    finish_committed maintenance; a worker died before its writer did
+                                       (``COMMITTED_GRACE_LEASES`` leases after)
 running    dead       nack             the outcome writer; fenced on the token
 running    queued     retry            the outcome writer; fenced; new payload, due time
 running    queued     requeue          shutdown release; fenced; attempt and place kept
@@ -212,6 +217,10 @@ def _still_running(alias: str = "") -> str:
 
 STILL_RUNNING = _still_running()
 
+#: A worker process (alias ``p``) whose counts are believed: its last heartbeat is less than
+#: %(beats)s of its own intervals old (processes.py).
+_LIVE_PROCESS = "p.heartbeat_at > now() - %(beats)s * p.beat_seconds * interval '1 second'"
+
 #: A commit that does not wait for the WAL flush, for one autocommit
 #: statement: set_config(..., true) is SET LOCAL and lasts until the commit of
 #: the statement's own implicit transaction, so it costs no extra round trip
@@ -221,10 +230,41 @@ STILL_RUNNING = _still_running()
 #: (``synchronous_commit=False``) and, unless ``durable_outcomes=True``, by
 #: claims and lease extensions.
 _RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+#: A row's state as operators say it: one its fenced transaction committed is done (its outcome
+#: writer finishes it within milliseconds; see exactly_once.py).
+_STATE = "CASE state WHEN 'committed' THEN 'done' ELSE state END"
 
 _TEMPLATES = {
     # Payloads are queue names, or "queue<TAB>ms" for "due in ms" (see retry_wakes).
     "notify": "SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS q",
+    # -- turns: one listening process per database does the idle chores at a time (turns.py) --
+    # The lowest free seat of each group's advisory lock (first key), for the LISTEN connection's
+    # session (it holds them while it lives).  LIMIT 1 ends each scan at the first lock taken.
+    "turn_take": """
+        SELECT k, (SELECT s FROM generate_series(0, 65535) AS s WHERE pg_try_advisory_lock(k, s) LIMIT 1)
+          FROM unnest(%(keys)s::int[]) AS k
+    """,
+    # Who holds a seat of each group: one row per group and session (its lowest seat), in seat order;
+    # the sessions waiting for the door %(door)s (seat -1; see turn_door), whose turn it is next; and
+    # its holder (seat 0) with the seconds since its session last ran a statement, if idle (it reads
+    # the seats every few seconds: long idle, its process is stopped or starved).
+    "turn_seats": """
+        SELECT l.classid::bigint::int, l.pid, min(CASE WHEN l.granted THEN l.objid::bigint ELSE -1 END) AS seat,
+               max(CASE WHEN l.granted AND l.classid = %(door)s::int::oid AND a.state = 'idle'
+                        THEN extract(epoch FROM now() - a.state_change) END)::float8 AS idle
+          FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND l.objsubid = 2
+           AND (l.granted AND l.classid = ANY(%(keys)s::int[]::oid[] || %(door)s::int::oid)
+                OR NOT l.granted AND l.classid = %(door)s::int::oid AND l.objid = 0)
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+         GROUP BY 1, 2 ORDER BY 1, 3
+    """,
+    # The door of a set of queues: the one lock whose holder LISTENs for them (turns.py, "wake one").
+    # Waits at most the session's lock_timeout (turn_door_patience), in the queue of sessions waiting
+    # for it: the server hands it to the one that waited longest.
+    "turn_door": "SELECT pg_advisory_lock(%(key)s::int, 0)",
+    "turn_door_leave": "SELECT pg_advisory_unlock(%(key)s::int, 0)",
+    "turn_door_patience": "SELECT set_config('lock_timeout', %(ms)s, false)",
     # -- claim: see _claim below ----------------------------------------------
     # Seconds until the queue's next delayed row is due (NULL: none), read
     # after a claim comes back short.  One probe of the claim index per
@@ -262,18 +302,6 @@ _TEMPLATES = {
         RETURNING message_id, state
     """,
     # -- fenced outcomes (batched: unnest of ids and delivery tokens) ------
-    "retry": f"""
-        WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[], %s::bytea[], %s::bigint[], %s::text[])
-                                 AS o(id, delivery, payload, delay_ms, error))
-        UPDATE {{schema}}.message AS m
-           SET state = 'queued', payload = o.payload, last_error = o.error,
-               available_at = now() + o.delay_ms * interval '1 millisecond',
-               lease_expires_at = NULL, consumer_id = NULL,
-               {_retake("m", finished_too=False)}
-          FROM o
-         WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
-        RETURNING m.message_id, m.delivery
-    """,
     "requeue": f"""
         WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
         UPDATE {{schema}}.message AS m
@@ -291,7 +319,7 @@ _TEMPLATES = {
         WITH o AS (SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS o(id, delivery))
         SELECT m.message_id, m.delivery, m.state FROM {{schema}}.message AS m
           JOIN o ON m.message_id = o.id AND m.delivery = o.delivery
-         WHERE {_BY_IDS} AND m.state IN ('running', 'cancelled')
+         WHERE {_BY_IDS} AND m.state IN ('running', 'committed', 'cancelled')
     """,
     # What a stale writer is told: the row as it is now.
     "current": """
@@ -419,13 +447,24 @@ _TEMPLATES = {
           FROM pg_class c
          WHERE c.oid = to_regclass(%s)
     """,
+    # Before the cancel, in its transaction: how long it may wait for the row's lock.  Outcomes,
+    # claims and extensions hold it for a statement; a fenced transaction for its whole block
+    # (a stopped process: indefinitely), and the cancel answers that rather than wait.
+    "cancel_lock_timeout": "SELECT set_config('lock_timeout', %s, true)",
     "state_of": "SELECT state, attempt, seq FROM {schema}.message WHERE message_id = %s",
+    # Which of these ids this database holds (operators over several databases: where an action goes).
+    "held_among": "SELECT message_id FROM {schema}.message WHERE message_id = ANY(%s::uuid[])",
     # May a delivery that waited in the prefetch still start?
-    "still_held": """
-        SELECT 1 FROM {schema}.message WHERE message_id = %s AND delivery = %s AND state = 'running'
+    # Of the deliveries waiting in a worker's prefetch (leases.StartGate), those whose row still runs
+    # under their token: one primary-key probe each.
+    "still_held_many": """
+        SELECT m.message_id, m.delivery
+          FROM {schema}.message AS m
+          JOIN unnest(%s::uuid[], %s::uuid[]) AS w(id, delivery) ON m.message_id = w.id
+         WHERE m.delivery = w.delivery AND m.state = 'running'
     """,
     "inspect": f"""
-        SELECT message_id, queue_name, actor_name, priority, state, attempt,
+        SELECT message_id, queue_name, actor_name, priority, {_STATE} AS state, attempt,
                enqueued_at, available_at, lease_expires_at, consumer_id,
                finished_at, last_error, lost_deliveries, claimed_at, unique_key, unique_until,
                {version("m")} AS version, coalesce({_still_running("m")}, false) AS still_running, payload
@@ -441,8 +480,8 @@ _TEMPLATES = {
          WHERE queue_name = %s AND state = 'dead'
          ORDER BY finished_at LIMIT 1
     """,
-    "queue_stats": """
-        SELECT queue_name, state, count(*) FROM {schema}.message GROUP BY queue_name, state
+    "queue_stats": f"""
+        SELECT queue_name, {_STATE}, count(*) FROM {{schema}}.message GROUP BY 1, 2
     """,
 }
 
@@ -544,6 +583,9 @@ def _claim(*, relaxed: bool) -> str:
     # point skips the entries its earlier claims left dead at the head of the
     # index, which no vacuum may remove while another session's snapshot is
     # older (see consumer.Floor).  consumer.HEAD starts at the head.  now() comes back with the rows: the database's clock sets the floor.
+    # A claim that took rows and came back short of its limit (the queue is drained for now) says so
+    # to the other processes with %(took)s ("!took <queue> <process>", NULL: nothing) in its own
+    # commit, no transaction more: those waiting their turn to answer a ring skip it (turns.Answered).
     return f"""
         WITH due AS (
             SELECT message_id FROM {{schema}}.message
@@ -554,7 +596,7 @@ def _claim(*, relaxed: bool) -> str:
              ORDER BY priority, available_at, seq
              LIMIT %(limit)s
              FOR UPDATE SKIP LOCKED
-        )
+        ), claimed AS (
         UPDATE {{schema}}.message AS m
            SET state = 'running', attempt = m.attempt + 1, delivery = gen_random_uuid(),
                lease_expires_at = now() + %(lease)s * interval '1 second',
@@ -562,6 +604,11 @@ def _claim(*, relaxed: bool) -> str:
           FROM due{_RELAXED if relaxed else ""}
          WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM due)) AND m.message_id = due.message_id
         RETURNING m.message_id, m.attempt, m.delivery, m.payload, m.priority, m.available_at, m.seq, now()
+        ), told AS (
+            SELECT pg_notify(%(channel)s, %(took)s::text) WHERE %(took)s::text IS NOT NULL
+               AND (SELECT count(*) FROM claimed) BETWEEN 1 AND %(limit)s - 1
+        )
+        SELECT * FROM claimed WHERE (SELECT count(*) FROM told) >= 0
     """
 
 
@@ -600,6 +647,93 @@ _TEMPLATES.update(
 )
 
 
+# -- the relay of a routed broker (routing.py, migration 017) ----------------------
+# A database's outbox is its message table: queued rows of queues routed to
+# another database (a delivery's follow-ups, written with its outcome).  The
+# relay takes a batch (SKIP LOCKED: relays of several processes share the
+# work) and deletes it in a transaction it commits only after relay_put
+# committed there; relay_put inserts a message only with its relayed row
+# (message id, source database, its seq there), so moving the same row again
+# inserts nothing.  The delay left goes with it (each server
+# counts it by its own clock).  A move whose message the target refuses (its
+# id is there already, or another message holds its unique key) inserts its
+# relayed row only: it is counted ("relay_conflicts") and returned, for the
+# relay to log; a hot counter row is touched only then.
+_TEMPLATES.update(
+    {
+        "relay_take": """
+            WITH taken AS (
+                SELECT message_id FROM {schema}.message
+                 WHERE state = 'queued' AND queue_name = ANY(%(queues)s::text[])
+                 ORDER BY seq LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+            )
+            DELETE FROM {schema}.message AS m USING taken WHERE m.message_id = taken.message_id
+            RETURNING m.message_id, m.queue_name, m.actor_name, m.priority,
+                      greatest(0, ceil(extract(epoch FROM m.available_at - now()) * 1000))::bigint,
+                      m.payload, m.unique_key, m.unique_until, m.seq
+        """,
+        "relay_put": f"""
+            WITH m AS MATERIALIZED (
+                SELECT * FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::bigint[], %s::bytea[],
+                                     %s::text[], %s::text[], %s::bigint[])
+                       AS m(id, queue, actor, priority, delay_ms, payload, key, until, seq)
+            ), fresh AS (
+                INSERT INTO {{schema}}.relayed (message_id, source, source_seq)
+                SELECT id, %s, seq FROM m ON CONFLICT DO NOTHING
+                RETURNING message_id
+            ), ins AS (
+                INSERT INTO {{schema}}.message
+                    (message_id, queue_name, actor_name, priority, available_at, payload, unique_key, unique_until)
+                SELECT m.id, m.queue, m.actor, m.priority, now() + m.delay_ms * interval '1 millisecond', m.payload,
+                       m.key, m.until
+                  FROM m JOIN fresh ON fresh.message_id = m.id
+                ON CONFLICT DO NOTHING
+                RETURNING message_id, queue_name, available_at
+            ), conflicts AS (
+                SELECT f.message_id FROM fresh AS f
+                 WHERE NOT EXISTS (SELECT FROM ins WHERE ins.message_id = f.message_id)
+            ), counted AS (
+                INSERT INTO {{schema}}.counter AS c (name, value)
+                SELECT 'relay_conflicts', count(*) FROM conflicts HAVING count(*) > 0
+                ON CONFLICT (name) DO UPDATE SET value = c.value + EXCLUDED.value
+            ), {_RING}
+            SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM rung) AS rung,
+                   ARRAY(SELECT message_id::text FROM conflicts ORDER BY 1) AS conflicts
+        """,
+        # The countdowns of group members in other databases (groups.py), moved to the group's home:
+        # each is applied only with its relayed row, as relay_put inserts a message.
+        "relay_mark": """
+            INSERT INTO {schema}.relayed (message_id, source, source_seq)
+            SELECT id, %(source)s, seq FROM unnest(%(ids)s::uuid[], %(seqs)s::bigint[]) AS m(id, seq)
+            ON CONFLICT DO NOTHING
+            RETURNING message_id::text
+        """,
+        # An outbox row its target cannot take (a countdown row that is none) goes back where it was,
+        # dead, and is counted with the conflicts, in the relay's transaction that deleted it.
+        "relay_dead": """
+            WITH dead AS (
+                INSERT INTO {schema}.message
+                    (message_id, queue_name, actor_name, priority, state, finished_at, last_error, payload)
+                VALUES (%(id)s, %(queue)s, %(actor)s, %(priority)s, 'dead', now(), %(error)s, %(payload)s)
+                RETURNING message_id
+            )
+            INSERT INTO {schema}.counter AS c (name, value)
+            SELECT 'relay_conflicts', count(*) FROM dead
+            ON CONFLICT (name) DO UPDATE SET value = c.value + EXCLUDED.value
+        """,
+        "relay_waiting": """
+            SELECT count(*) FROM {schema}.message WHERE state = 'queued' AND queue_name = ANY(%s::text[])
+        """,
+        # ... or still running there (a queue being moved: routing.RoutedBroker.move_queue).
+        "relay_left": """
+            SELECT count(*) FROM {schema}.message
+             WHERE state IN ('queued', 'running', 'committed') AND queue_name = ANY(%s::text[])
+        """,
+        "relay_purge": "DELETE FROM {schema}.relayed WHERE relayed_at < now() - %s * interval '1 second'",
+    }
+)
+
+
 _TEMPLATES.update(
     {
         "enqueue": _enqueue("many", relaxed=False),
@@ -633,12 +767,12 @@ _TEMPLATES.update(
 # nothing else (no result, no follow-up, no countdown) is written by the ack
 # alone, in its own transaction: the ``_relaxed`` variants then turn off
 # ``synchronous_commit`` in the statement, as the claim does.
-def _ack_delete(*, relaxed: bool) -> str:
+def _ack_delete(*, relaxed: bool, state: str = "running") -> str:
     return f"""
         DELETE FROM {{schema}}.message AS m
          USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
          WHERE m.message_id = ANY(%(ids)s::uuid[])
-           AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+           AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = '{state}'
 """
 
 
@@ -672,71 +806,85 @@ def _finished(keep: bool) -> str:
     )
 
 
-def _ack(*, keep: bool, relaxed: bool = False) -> str:
+def _ack(*, keep: bool, relaxed: bool = False, state: str = "running") -> str:
     return f"""
-        WITH finished AS ({_ack_delete(relaxed=relaxed)} {_finished(keep)}),
+        WITH finished AS ({_ack_delete(relaxed=relaxed, state=state)} {_finished(keep)}),
         {_KEEP if keep else ""}
         {_tally("done")}
         SELECT message_id, delivery FROM finished
     """
 
 
-# -- the fenced transaction (exactly_once.py, migration 010) ---------------------
-# An actor's block takes its delivery's row under its token first, and keeps
-# it locked until the block ends: no rescue, claim, cancel or other delivery
-# can touch the message meanwhile.  At the block's end the ack (the writer's
-# delete, with its history row; the tally waits for committed_done) is written in
-# the actor's transaction, with a ``committed`` row saying the delivery
-# finished there; 1 / count(*) turns an ack that did not apply into an error
-# (division_by_zero), so the COMMIT sent right behind it in the same round
-# trip rolls the actor's writes back instead of committing them unacked.
-def _fenced_ack(*, keep: bool) -> str:
-    # Not counted in the throughput tally here: every block of a process would wait for the one
-    # before it to commit (they update the same tally row); committed_done counts them, batched.
-    return f"""
-        WITH finished AS ({_ack_delete(relaxed=False)} {_finished(keep)}),
-        {_KEEP if keep else ""}
-        marked AS (
-            INSERT INTO {{schema}}.committed (delivery, message_id, queue_name)
-            SELECT delivery, message_id, queue_name FROM finished
-        )
-        SELECT 1 / count(*) FROM finished
-    """
+# -- the fenced transaction (exactly_once.py, migration 016) ---------------------
+# An actor's block begins by moving its delivery's row from 'running' to
+# 'committed', under its token, in the actor's own transaction: the update
+# locks the row until the block ends (no rescue, claim, cancel or other
+# delivery can touch the message meanwhile), and commits with the actor's
+# writes, or rolls back with them and leaves the row running.  So the block's
+# end is a plain COMMIT.  A committed row is finished as an ack is, by the
+# outcome writer, batched: committed_done, fenced on the token and on the
+# state, and what the delivery caused after its block (result, follow-ups,
+# countdown) is written only if it takes the row, so at most once.  No lease
+# keeps a committed row (the keeper extends running rows), and the rescue
+# takes running rows only: a committed row is never delivered again.  One left
+# by a worker that died before its writer wrote it is finished by maintenance
+# (finish_committed), without those effects.
+_FENCE = """
+    UPDATE {schema}.message SET state = 'committed'
+     WHERE message_id = %s AND delivery = %s AND state = 'running'
+    RETURNING attempt
+"""
 
 
-def _committed_done(*, relaxed: bool) -> str:
+def _finish_committed(*, keep: bool) -> str:
     return f"""
         WITH finished AS (
-            DELETE FROM {{schema}}.committed AS c
-             USING unnest(%(ids)s::uuid[], %(deliveries)s::uuid[]) AS o(id, delivery){_RELAXED if relaxed else ""}
-             WHERE c.delivery = ANY(%(deliveries)s::uuid[]) AND c.delivery = o.delivery AND c.message_id = o.id
-            RETURNING c.message_id, c.delivery, c.queue_name
+            DELETE FROM {{schema}}.message AS m
+             WHERE m.state = 'committed' AND m.lease_expires_at < now() - %(grace)s * interval '1 second'
+            {_finished(keep)}
         ),
+        {_KEEP if keep else ""}
         {_tally("done")}
-        SELECT message_id, delivery FROM finished
+        SELECT count(*) FROM finished
     """
 
 
 _TEMPLATES.update(
     {
-        "fence_lock": """
-            SELECT attempt FROM {schema}.message
-             WHERE message_id = %s AND delivery = %s AND state = 'running' FOR UPDATE
-        """,
-        "fenced_ack": _fenced_ack(keep=False),
-        "fenced_ack_keep": _fenced_ack(keep=True),
-        # The writer, for a delivery its block acked: its later effects are written only if this
-        # takes its committed row (see migration 010).
-        "committed_done": _committed_done(relaxed=False),
-        "committed_done_relaxed": _committed_done(relaxed=True),
+        "fence_lock": _FENCE,
+        # The same with its BEGIN, one simple query (values bound by the client: exactly_once.py).
+        "fence_begin": "BEGIN; " + _FENCE,
+        "committed_done": _ack(keep=False, state="committed"),
+        "committed_done_relaxed": _ack(keep=False, relaxed=True, state="committed"),
+        "committed_done_keep": _ack(keep=True, state="committed"),
+        "committed_done_keep_relaxed": _ack(keep=True, relaxed=True, state="committed"),
         # After a connection lost at the block's COMMIT: did it commit?
-        "committed_seen": "SELECT 1 FROM {schema}.committed WHERE delivery = %s",
-        "purge_committed": "DELETE FROM {schema}.committed WHERE committed_at < now() - %s * interval '1 second'",
+        "committed_seen": "SELECT 1 FROM {schema}.message WHERE delivery = %s AND state = 'committed'",
+        "finish_committed": _finish_committed(keep=False),
+        "finish_committed_keep": _finish_committed(keep=True),
     }
 )
 
 _TEMPLATES.update(
     {
+        # Counted in the writer's throughput row (retried), as ack and nack count theirs.
+        "retry": f"""
+            WITH o AS (SELECT * FROM unnest(%(ids)s::uuid[], %(deliveries)s::uuid[], %(payloads)s::bytea[],
+                                            %(delays)s::bigint[], %(errors)s::text[])
+                                     AS o(id, delivery, payload, delay_ms, error)),
+            finished AS (
+                UPDATE {{schema}}.message AS m
+                   SET state = 'queued', payload = o.payload, last_error = o.error,
+                       available_at = now() + o.delay_ms * interval '1 millisecond',
+                       lease_expires_at = NULL, consumer_id = NULL,
+                       {_retake("m", finished_too=False)}
+                  FROM o
+                 WHERE {_BY_IDS} AND m.message_id = o.id AND m.delivery = o.delivery AND m.state = 'running'
+                RETURNING m.message_id, m.delivery, m.queue_name
+            ),
+            {_tally("retried")}
+            SELECT message_id, delivery FROM finished
+        """,
         "ack": _ack(keep=False),
         "ack_keep": _ack(keep=True),
         "ack_relaxed": _ack(keep=False, relaxed=True),
@@ -793,6 +941,8 @@ def _capped_count(where: str) -> str:
 _TEMPLATES.update(
     {
         # Per queue: what the stats, the metrics and the dashboard's first page show.
+        # busy: actors running now per queue, from the heartbeats of live processes
+        # (processes.py): of the claimed rows, that many run, the rest wait in a prefetch.
         # Outcomes of the last minute and hour ("recent"): whole minutes, plus
         # the older minute's share of the window (a sliding-window estimate).
         "overview": f"""
@@ -817,6 +967,12 @@ _TEMPLATES.update(
                 SELECT queue_name, count(*) AS n, count(*) FILTER (WHERE lease_expires_at < now()) AS expired
                   FROM {{schema}}.message WHERE state = 'running' AND lease_expires_at IS NOT NULL
                  GROUP BY queue_name
+            ),
+            busy AS (
+                SELECT b.key AS queue_name, sum((b.value ->> 0)::bigint)::bigint AS n
+                  FROM {{schema}}.process AS p CROSS JOIN LATERAL jsonb_each(p.per_queue) AS b
+                 WHERE {_LIVE_PROCESS}
+                 GROUP BY b.key
             ),
             recent AS (
                 SELECT queue_name,
@@ -844,7 +1000,8 @@ _TEMPLATES.update(
             SELECT q.name,
                    coalesce(depth.due, 0) AS due,
                    coalesce(depth.delayed, 0) AS delayed,
-                   coalesce(r.n, 0) AS running,
+                   least(coalesce(r.n, 0), coalesce(b.n, 0)) AS running,
+                   coalesce(r.n, 0) - least(coalesce(r.n, 0), coalesce(b.n, 0)) AS prefetched,
                    coalesce(r.expired, 0) AS expired_leases,
                    {_capped_count("c.state = 'dead'")} AS dead,
                    {_capped_count("c.state = 'cancelled'")} AS cancelled,
@@ -856,6 +1013,7 @@ _TEMPLATES.update(
                    p.paused_at
               FROM q
               LEFT JOIN running AS r ON r.queue_name = q.name
+              LEFT JOIN busy AS b ON b.queue_name = q.name
               LEFT JOIN recent AS t ON t.queue_name = q.name
               LEFT JOIN {{schema}}.paused_queue AS p ON p.queue_name = q.name
               LEFT JOIN {{schema}}.counter AS sc ON sc.name = 'stale_writes:' || q.name
@@ -919,6 +1077,7 @@ _TEMPLATES.update(
         """,
         "resume": "DELETE FROM {schema}.paused_queue WHERE queue_name = %s RETURNING queue_name",
         "paused": "SELECT queue_name, paused_at FROM {schema}.paused_queue ORDER BY queue_name",
+        "paused_among": "SELECT queue_name FROM {schema}.paused_queue WHERE queue_name = ANY(%s::text[])",
         # Re-drive: the rows as they are (the caller rewrites their payloads),
         # then back to the queue, fenced on the row version it read (see
         # version()), so a message re-driven, claimed, cancelled again or
@@ -955,7 +1114,27 @@ _TEMPLATES.update(
                  WHERE finished_at < now() - %s * interval '1 second'
                  ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED))
         """,
-        "purge_throughput": "DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'",
+        # Tallies older than two hours go, their counts added to outcome_total in the same
+        # statement: the totals (throughput + outcome_total) never go down.  Two purges at once
+        # never count a row twice (the second waits for the first's delete, then skips the row).
+        "purge_throughput": """
+            WITH gone AS (
+                DELETE FROM {schema}.throughput WHERE minute < now() - interval '2 hours'
+                RETURNING queue_name, done, dead, retried
+            )
+            INSERT INTO {schema}.outcome_total AS t (queue_name, done, dead, retried)
+            SELECT queue_name, sum(done), sum(dead), sum(retried) FROM gone GROUP BY queue_name
+            ON CONFLICT (queue_name) DO UPDATE
+               SET done = t.done + EXCLUDED.done, dead = t.dead + EXCLUDED.dead, retried = t.retried + EXCLUDED.retried
+        """,
+        # Per queue, ever: finished (acked), dead-lettered, retried (issue 26's counters).
+        "outcome_totals": """
+            SELECT queue_name, sum(done)::bigint, sum(dead)::bigint, sum(retried)::bigint FROM (
+                SELECT queue_name, done, dead, retried FROM {schema}.outcome_total
+                UNION ALL
+                SELECT queue_name, done, dead, retried FROM {schema}.throughput
+            ) AS t GROUP BY queue_name ORDER BY queue_name
+        """,
         "count_queue_done": """
             SELECT count(*) FROM (SELECT FROM {schema}.history
                                    WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
@@ -967,6 +1146,100 @@ _TEMPLATES.update(
                  WHERE queue_name = %(queue)s AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
                  LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
             RETURNING message_id
+        """,
+    }
+)
+
+# -- worker processes (processes.py, migration 011) -------------------------------
+# One row per worker process: written at boot and every heartbeat by its
+# maintenance loop (one upsert, in place), deleted at a clean shutdown; a row
+# left by a process that died is purged an hour after its last heartbeat.
+_TEMPLATES.update(
+    {
+        "process_beat": """
+            INSERT INTO {schema}.process AS p
+                (process_id, host, pid, queues, threads, busy, prefetched, per_queue, running, version, beat_seconds)
+            VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(threads)s, %(busy)s, %(prefetched)s,
+                    %(per_queue)s::jsonb, %(running)s::uuid[], %(version)s, %(beat_seconds)s)
+            ON CONFLICT (process_id) DO UPDATE
+               SET queues = EXCLUDED.queues, threads = EXCLUDED.threads, busy = EXCLUDED.busy,
+                   prefetched = EXCLUDED.prefetched, per_queue = EXCLUDED.per_queue, running = EXCLUDED.running,
+                   beat_seconds = EXCLUDED.beat_seconds, heartbeat_at = now()
+        """,
+        "process_delete": "DELETE FROM {schema}.process WHERE process_id = %s",
+        "process_list": """
+            SELECT process_id, host, pid, queues, threads, busy, prefetched, per_queue, version,
+                   started_at, heartbeat_at, extract(epoch FROM now() - heartbeat_at), beat_seconds
+              FROM {schema}.process ORDER BY heartbeat_at DESC, process_id
+        """,
+        # Actors running now per queue, from the heartbeats of live processes.
+        "process_busy": f"""
+            SELECT b.key, sum((b.value ->> 0)::bigint)::bigint
+              FROM {{schema}}.process AS p CROSS JOIN LATERAL jsonb_each(p.per_queue) AS b
+             WHERE {_LIVE_PROCESS}
+             GROUP BY b.key
+        """,
+        # Of these messages, those whose actor runs (as of the heartbeats of live processes).
+        "process_started": f"""
+            SELECT DISTINCT r.id FROM {{schema}}.process AS p CROSS JOIN LATERAL unnest(p.running) AS r(id)
+             WHERE {_LIVE_PROCESS} AND r.id = ANY(%(ids)s::uuid[])
+        """,
+        "process_purge": "DELETE FROM {schema}.process WHERE heartbeat_at < now() - %s * interval '1 second'",
+    }
+)
+
+# -- the charts' samples (charts.py, migration 013) ------------------------------
+# One process at a time (a transaction-scoped advisory lock on the table's oid),
+# once per minute (the '' row of this minute is the mark): the queues' depth and
+# oldest due age, read by the overview statement in the same transaction, then
+# the outcome tallies of the minutes that are over and not copied yet.
+_TEMPLATES.update(
+    {
+        "sample_claim": """
+            SELECT pg_try_advisory_xact_lock(1684107597, '{schema}.queue_minute'::regclass::oid::int)
+                   AND NOT EXISTS (SELECT FROM {schema}.queue_minute
+                                    WHERE queue_name = '' AND minute = date_trunc('minute', now())
+                                      AND due IS NOT NULL)
+        """,
+        "sample_depth": """
+            INSERT INTO {schema}.queue_minute AS s (queue_name, minute, due, oldest_due_seconds)
+            SELECT q, date_trunc('minute', now()), d, o
+              FROM unnest(%(queues)s::text[], %(due)s::bigint[], %(oldest)s::float8[]) AS x(q, d, o)
+            ON CONFLICT (queue_name, minute) DO UPDATE
+               SET due = EXCLUDED.due, oldest_due_seconds = EXCLUDED.oldest_due_seconds
+        """,
+        "sample_outcomes": """
+            INSERT INTO {schema}.queue_minute AS s (queue_name, minute, done, dead, retried)
+            SELECT coalesce(queue_name, ''), minute, sum(done), sum(dead), sum(retried)
+              FROM {schema}.throughput
+             WHERE minute < date_trunc('minute', now())
+             GROUP BY GROUPING SETS ((queue_name, minute), (minute))
+            ON CONFLICT (queue_name, minute) DO UPDATE
+               SET done = EXCLUDED.done, dead = EXCLUDED.dead, retried = EXCLUDED.retried
+             WHERE s.done IS NULL
+        """,
+        "sample_purge": "DELETE FROM {schema}.queue_minute WHERE minute < now() - %s * interval '1 second'",
+        # Per minute of the span, oldest first: outcomes from the tallies (two hours, exact, the
+        # current minute too), else from the samples; depth and age from the samples.
+        "series": """
+            WITH m(minute) AS (
+                SELECT generate_series(date_trunc('minute', now()) - (%(points)s - 1) * interval '1 minute',
+                                       date_trunc('minute', now()), interval '1 minute')
+            ),
+            t AS (
+                SELECT minute, sum(done)::bigint AS done, sum(dead)::bigint AS dead, sum(retried)::bigint AS retried
+                  FROM {schema}.throughput
+                 WHERE minute > date_trunc('minute', now()) - %(points)s * interval '1 minute'
+                   AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
+                 GROUP BY minute
+            )
+            SELECT m.minute, coalesce(t.done, s.done, 0), coalesce(t.dead, s.dead, 0),
+                   coalesce(t.retried, s.retried, 0), s.due, s.oldest_due_seconds
+              FROM m
+              LEFT JOIN t ON t.minute = m.minute
+              LEFT JOIN {schema}.queue_minute AS s
+                ON s.queue_name = coalesce(%(queue)s, '') AND s.minute = m.minute
+             ORDER BY m.minute
         """,
     }
 )
@@ -985,6 +1258,62 @@ def _listed_error() -> str:
         f" || ' characters cut; inspect shows all ...]' || chr(10) || right(last_error, {tail}) END"
     )
 
+
+# -- search (search.py, migration 014) ------------------------------------------
+# Keyset pages in (message_id, table, seq) order: the message table's primary key
+# and history's message_id index, so a search adds no index to the hot table.  Each
+# table's next %(scan)s rows after the cursor are read in key order and filtered;
+# the last row read (edge) says how far that table was searched.
+_SEARCH_FILTER = """
+    (%(queue)s::text IS NULL OR queue_name = %(queue)s)
+    AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
+    AND (%(state)s::text IS NULL OR state = %(state)s)
+    AND (%(arguments)s::jsonb IS NULL OR {schema}.message_arguments(payload) @> %(arguments)s::jsonb)
+"""
+_SEARCH_COLUMNS = """message_id, {src} AS src, seq, queue_name, actor_name, {state} AS state, attempt, enqueued_at,
+    {available_at} AS available_at, finished_at, {listed_error}, payload"""
+
+
+def _search(table: str) -> str:
+    src, state, available_at = (
+        ("0", "state", "available_at") if table == "message" else ("1", "'done'::text", "NULL::timestamptz")
+    )
+    columns = _SEARCH_COLUMNS.format(
+        src=src, state=state, available_at=available_at, listed_error=_listed_error() + " AS last_error"
+    )
+    return f"""
+        WITH w AS (
+            SELECT {columns} FROM {{schema}}.{table}
+             WHERE message_id >= %(id)s::uuid AND (message_id, {src}, seq) > (%(id)s::uuid, %(src)s, %(seq)s)
+             ORDER BY message_id, seq LIMIT %(scan)s
+        )
+        (SELECT *, false AS edge, 0::bigint AS scanned FROM w
+          WHERE {_SEARCH_FILTER} ORDER BY message_id, seq LIMIT %(limit)s)
+        UNION ALL
+        (SELECT *, true, (SELECT count(*) FROM w) FROM w ORDER BY message_id DESC, seq DESC LIMIT 1)
+    """
+
+
+def _search_id(table: str) -> str:
+    src, state, available_at = (
+        ("0", "state", "available_at") if table == "message" else ("1", "'done'::text", "NULL::timestamptz")
+    )
+    columns = _SEARCH_COLUMNS.format(
+        src=src, state=state, available_at=available_at, listed_error=_listed_error() + " AS last_error"
+    )
+    return (
+        f"SELECT * FROM (SELECT {columns} FROM {{schema}}.{table} WHERE message_id = %(message_id)s::uuid) AS r"
+        f" WHERE {_SEARCH_FILTER}"
+    )
+
+
+_TEMPLATES.update(
+    {
+        "search_live": _search("message"),
+        "search_kept": _search("history"),
+        "search_id": f"({_search_id('message')}) UNION ALL ({_search_id('history')}) ORDER BY src, seq",
+    }
+)
 
 # Pages of a queue's messages (no payload).  A page reads a window of at most
 # %(scan)s rows in index order from the cursor (the sort key of the last row
@@ -1087,6 +1416,56 @@ for _state in ("queued", *FINISHED_STATES):
              LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
         RETURNING message_id
     """
+
+
+# -- bulk actions (bulk.py, migration 015) ----------------------------------------
+# The rows a bulk action touches: those of %(states)s that match the selection
+# (ids and/or the search's filters), in key order, %(cap)s at most.  The action
+# itself then goes through the operators' own statements (cancel, redrive) or
+# these, each re-checking the state it acts on.
+_BULK_SELECTION = f"""
+    (%(ids)s::uuid[] IS NULL OR message_id = ANY(%(ids)s::uuid[]))
+    AND (%(queue)s::text IS NULL OR queue_name = %(queue)s) AND {_OF_ACTOR}
+    AND (%(arguments)s::jsonb IS NULL OR {{schema}}.message_arguments(payload) @> %(arguments)s::jsonb)
+"""
+_TEMPLATES.update(
+    {
+        "bulk_live": f"""
+            SELECT message_id FROM {{schema}}.message
+             WHERE state = ANY(%(states)s::text[]) AND {_BULK_SELECTION}
+               AND (NOT %(delayed)s OR available_at > now())
+               AND NOT (state = 'cancelled' AND coalesce({STILL_RUNNING}, false))
+             ORDER BY message_id LIMIT %(cap)s
+        """,
+        "bulk_kept": f"""
+            SELECT DISTINCT message_id FROM {{schema}}.history WHERE {_BULK_SELECTION}
+             ORDER BY message_id LIMIT %(cap)s
+        """,
+        # Purge: never a running row, nor a cancelled one whose actor still runs.
+        "bulk_purge_live": f"""
+            DELETE FROM {{schema}}.message
+             WHERE message_id = ANY(%s::uuid[]) AND state IN ('queued', 'dead', 'cancelled')
+               AND NOT (state = 'cancelled' AND coalesce({STILL_RUNNING}, false))
+            RETURNING message_id
+        """,
+        "bulk_purge_kept": "DELETE FROM {schema}.history WHERE message_id = ANY(%s::uuid[]) RETURNING message_id",
+        # Run now: a delayed message (a retry's backoff included) becomes due now.
+        "bulk_run_now": """
+            UPDATE {schema}.message SET available_at = now()
+             WHERE message_id = ANY(%s::uuid[]) AND state = 'queued' AND available_at > now()
+            RETURNING message_id, queue_name
+        """,
+        "audit_begin": """
+            INSERT INTO {schema}.audit (who, action, selection, previewed) VALUES (%s, %s, %s::jsonb, %s)
+            RETURNING id
+        """,
+        "audit_end": "UPDATE {schema}.audit SET touched = %s, skipped = %s, ended_at = now() WHERE id = %s",
+        "audit_page": """
+            SELECT id, at, who, action, selection, previewed, touched, skipped, ended_at FROM {schema}.audit
+             WHERE id < %s ORDER BY id DESC LIMIT %s
+        """,
+    }
+)
 
 
 # -- results and rate limits (migration 002) ----------------------------------
@@ -1388,6 +1767,11 @@ class Statements:
         raise AttributeError(f"Statements are read-only (deleting {name!r})")
 
     notify: bytes
+    turn_take: bytes
+    turn_seats: bytes
+    turn_door: bytes
+    turn_door_leave: bytes
+    turn_door_patience: bytes
     claim: bytes
     claim_relaxed: bytes
     next_due: bytes
@@ -1397,12 +1781,21 @@ class Statements:
     ack_relaxed: bytes
     ack_keep_relaxed: bytes
     fence_lock: bytes
-    fenced_ack: bytes
-    fenced_ack_keep: bytes
+    fence_begin: bytes
     committed_done: bytes
     committed_done_relaxed: bytes
+    committed_done_keep: bytes
+    committed_done_keep_relaxed: bytes
     committed_seen: bytes
-    purge_committed: bytes
+    finish_committed: bytes
+    finish_committed_keep: bytes
+    relay_take: bytes
+    relay_put: bytes
+    relay_mark: bytes
+    relay_dead: bytes
+    relay_waiting: bytes
+    relay_left: bytes
+    relay_purge: bytes
     nack: bytes
     retry: bytes
     requeue: bytes
@@ -1421,8 +1814,10 @@ class Statements:
     compact: bytes
     file_node: bytes
     may_vacuum: bytes
+    cancel_lock_timeout: bytes
     state_of: bytes
-    still_held: bytes
+    held_among: bytes
+    still_held_many: bytes
     inspect: bytes
     flush: bytes
     pending: bytes
@@ -1440,6 +1835,7 @@ class Statements:
     pause: bytes
     resume: bytes
     paused: bytes
+    paused_among: bytes
     extend_cancelled: bytes
     cancel_ended: bytes
     still_running: bytes
@@ -1451,6 +1847,7 @@ class Statements:
     inspect_history: bytes
     purge_history: bytes
     purge_throughput: bytes
+    outcome_totals: bytes
     purge_queue_queued: bytes
     purge_queue_dead: bytes
     purge_queue_cancelled: bytes
@@ -1489,6 +1886,28 @@ class Statements:
     schedule_forget: bytes
     schedule_ticks: bytes
     schedule_purge_ticks: bytes
+    process_beat: bytes
+    process_delete: bytes
+    process_list: bytes
+    process_purge: bytes
+    process_busy: bytes
+    process_started: bytes
+    bulk_live: bytes
+    bulk_kept: bytes
+    bulk_purge_live: bytes
+    bulk_purge_kept: bytes
+    bulk_run_now: bytes
+    audit_begin: bytes
+    audit_end: bytes
+    audit_page: bytes
+    search_live: bytes
+    search_kept: bytes
+    search_id: bytes
+    sample_claim: bytes
+    sample_depth: bytes
+    sample_outcomes: bytes
+    sample_purge: bytes
+    series: bytes
 
 
 @cache

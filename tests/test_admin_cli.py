@@ -364,7 +364,8 @@ def test_lists_show_the_exception_first_cut_with_a_marker_and_text_stays_text(dr
 
 
 def test_one_vocabulary_of_states_in_stats_metrics_lists_and_inspect(dramatiq_pg_url, dramatiq_pg_broker):
-    """States are queued, running, dead, cancelled, done everywhere; 'delayed' is the part of 'queued' due later."""
+    """States are queued, running, dead, cancelled, done everywhere; 'delayed' is the part of 'queued' due later,
+    and the figures split a running row's state into 'running' (its actor started) and 'prefetched'."""
     broker = dramatiq_pg_broker
     schema = broker.schema
     broker.declare_queue("v")
@@ -380,7 +381,8 @@ def test_one_vocabulary_of_states_in_stats_metrics_lists_and_inspect(dramatiq_pg
 
     metrics = cli(dramatiq_pg_url, "--schema", schema, "metrics", "--once").stdout
     labels = set(re.findall(r'dramatiq_pg_messages\{queue="v",state="(\w+)"\}', metrics))
-    assert labels == {"queued", "running", "dead", "cancelled"}
+    # (running rows are split: "running" whose actor started, "prefetched" waiting in a worker's prefetch)
+    assert labels == {"queued", "running", "prefetched", "dead", "cancelled"}
     assert 'dramatiq_pg_messages{queue="v",state="queued"} 2.0' in metrics
     assert 'dramatiq_pg_delayed_messages{queue="v"} 1.0' in metrics
 

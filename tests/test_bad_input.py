@@ -26,6 +26,93 @@ def message_for(actor_name: str, queue_name: str = "default") -> dramatiq.Messag
     return dramatiq.Message(queue_name=queue_name, actor_name=actor_name, args=(), kwargs={}, options={})
 
 
+# -- message ids -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "message_id",
+    ["ABCDEF12-3456-4789-8ABC-DEF012345678", "{abcdef12-3456-4789-8abc-def012345678}",
+     "abcdef1234564789" + "8abcdef012345678", "urn:uuid:abcdef12-3456-4789-8abc-def012345678", "job-1", ""],
+)  # fmt: skip
+def test_a_message_id_that_is_no_canonical_uuid_is_refused_at_send(
+    dramatiq_pg_broker_factory: Factory, message_id: str
+) -> None:
+    """Given a message whose id PostgreSQL would take as a UUID under another spelling (upper case,
+    braces, no hyphens, a URN) or not at all, I expect send, enqueue_many and a batch to refuse it with
+    a ValueError naming the id (and its canonical form when it has one), and nothing stored.  Before,
+    the first kinds were stored and then skipped at every delivery: the worker knows its deliveries by
+    the id as the row gives it back."""
+    broker = dramatiq_pg_broker_factory()
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        pass
+
+    message = job.message()._replace(message_id=message_id)
+    for send in (broker.enqueue, lambda m: broker.enqueue_many([job.message(), m])):
+        with pytest.raises(ValueError, match="not a UUID in canonical form") as raised:
+            send(message)
+        assert repr(message_id) in str(raised.value)
+        if message_id.startswith(("ABC", "{", "abc", "urn")):
+            assert "abcdef12-3456-4789-8abc-def012345678 is its canonical form" in str(raised.value)
+    with pytest.raises(ValueError), broker.batch():
+        job.send()
+        broker.enqueue(message)
+    assert count(broker) == 0
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["delay=1e20", "options delay nan", "options delay inf", "options eta far", "options eta nan", "priority 2**40"],
+)
+def test_a_delay_or_priority_out_of_range_is_refused_at_send(dramatiq_pg_broker_factory: Factory, how: str) -> None:
+    """Given a send whose delay (argument, option or eta) is no finite number of milliseconds a timestamp
+    can hold, or whose actor's priority is past a 32-bit integer, I expect a ValueError that says which,
+    and nothing stored.  Before, each failed with the server's out-of-range error or Python's
+    OverflowError from deep in the send."""
+    broker = dramatiq_pg_broker_factory()
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, priority=2**40)
+    def urgent() -> None:
+        pass
+
+    sends = {
+        "delay=1e20": (lambda: job.send_with_options(delay=10**20), "delay of"),
+        "options delay nan": (lambda: broker.enqueue(job.message_with_options(delay=float("nan"))), "delay'] of nan"),
+        "options delay inf": (lambda: broker.enqueue(job.message_with_options(delay=float("inf"))), "delay'] of inf"),
+        "options eta far": (lambda: broker.enqueue(job.message().copy(options={"eta": 10**20})), "eta'] of"),
+        "options eta nan": (lambda: broker.enqueue(job.message().copy(options={"eta": float("nan")})), "eta'] of nan"),
+        "priority 2**40": (lambda: urgent.send(), "32-bit"),
+    }
+    send, said = sends[how]
+    with pytest.raises(ValueError, match="out of range|32-bit") as raised:
+        send()
+    assert said in str(raised.value)
+    assert count(broker) == 0
+
+
+def test_a_message_under_a_canonical_id_of_its_own_runs(dramatiq_pg_broker_factory: Factory) -> None:
+    """An id of the caller's, in canonical form, is kept and its message runs under it."""
+    from dramatiq.middleware import CurrentMessage
+    from helpers import running_worker, wait_for
+
+    broker = dramatiq_pg_broker_factory()
+    broker.add_middleware(CurrentMessage())
+    ran: list[str] = []
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        current = CurrentMessage.get_current_message()
+        ran.append(current.message_id if current is not None else "")
+
+    own = str(uuid.uuid4())
+    broker.enqueue(job.message()._replace(message_id=own))
+    with running_worker(broker):
+        wait_for(lambda: ran == [own], 10, "the message under its own id")
+
+
 # -- rows the worker cannot run -----------------------------------------------------
 @pytest.mark.parametrize("payload", [b"\x00\xffnot a message", b'{"hello": "world"}', b"[1, 2, 3]", b""])
 def test_undecodable_payload_is_dead_lettered_and_the_worker_goes_on(

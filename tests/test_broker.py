@@ -21,6 +21,7 @@ from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import CancelOutcome, DeadLetterError, PostgresBroker, SchemaError, migrations
+from dramatiq_pg_fenced import consumer as consumer_module
 from dramatiq_pg_fenced.consumer import PostgresConsumer
 
 # -- helpers ------------------------------------------------------------------
@@ -249,7 +250,11 @@ def test_a_drained_queue_is_not_claimed_again_until_the_doorbell_rings(
     """Dramatiq asks for the next message as soon as it takes one.  When the claim that brought it
     came back short (nothing more was due), the consumer does not claim again, which would find
     nothing and compete for the CPU with the worker thread starting that message, until the doorbell
-    rings or the poll interval (30 s here) passes; the next message sent still comes at once."""
+    rings or the poll interval (30 s here) passes; the next message sent still comes at once.
+
+    The floor's look back from the head (once a second after a short claim from the floor) is put
+    off here: on a slow machine it fell due within the worker's next ask and claimed nothing."""
+    monkeypatch.setattr(consumer_module, "LOOK_BACK_EVERY", 3600.0)
     broker = dramatiq_pg_broker_factory(poll_interval=30)
     broker.declare_queue("q")
     claims: list[int] = []
@@ -735,3 +740,38 @@ def test_inspect_a_queued_message(dramatiq_pg_broker: PostgresBroker) -> None:
     assert (info["queue_name"], info["actor_name"], info["priority"]) == ("inspected", "look", 5)
     assert (info["state"], info["attempt"], info["retries"]) == ("queued", 0, 0)
     assert (info["args"], info["kwargs"]) == ((1,), {"b": "two"})
+
+
+def test_join_fail_fast_sees_a_dead_letter_written_between_its_reads(broker: PostgresBroker) -> None:
+    """join reads how many are pending and which are dead: a message dead-lettered between the two
+    reads must raise, not return on the now empty queue (the writer does it on its own thread)."""
+
+    @dramatiq.actor(max_retries=0)
+    def doomed() -> None:
+        pass
+
+    message = doomed.send()
+    real_run = broker.database.run
+    reads = []
+
+    def run_then_dead_letter(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real_run(fn, *args, **kwargs)
+        if not reads:  # the outcome is written right after join's first read
+            real_run(
+                lambda conn: conn.execute(
+                    sql.SQL(
+                        "UPDATE {}.message SET state = 'dead', last_error = 'kaboom', finished_at = now()"
+                        " WHERE message_id = %s"
+                    ).format(sql.Identifier(broker.schema)),
+                    [message.message_id],
+                )
+            )
+        reads.append(fn)
+        return result
+
+    broker.database.run = run_then_dead_letter  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DeadLetterError, match="kaboom"):
+            broker.join(doomed.queue_name, fail_fast=True, timeout=5_000)
+    finally:
+        del broker.database.run

@@ -282,8 +282,9 @@ def test_every_page_and_action_in_headless_chromium(
     }
     assert set(rows) == {"emails", "reports"}
     cells = [c.text for c in rows["emails"].find_elements(By.TAG_NAME, "td")]
-    assert cells[1:7] == ["2", "0", "0", "0", "1", "1"]  # queued, delayed, running, expired, dead, cancelled
-    assert cells[8] == "1"  # done in the last hour
+    # queued, delayed, running, prefetched, expired, dead, cancelled
+    assert cells[1:8] == ["2", "0", "0", "0", "0", "1", "1"]
+    assert cells[9] == "1"  # done in the last hour
     shot = tmp_path / "dashboard.png"
     d.save_screenshot(str(shot))
     if os.environ.get("DASHBOARD_SCREENSHOT"):

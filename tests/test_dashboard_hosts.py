@@ -388,7 +388,9 @@ def test_the_dashboard_command_takes_its_secret_from_a_file_or_the_environment(
     ok, wrong = basic("ops", "file-secret-51"), basic("ops", "file-secret-5")
     with command(dramatiq_pg_url, schema, "dashboard", "--port", "0", "--auth-file", str(secret),
                  "--allow-host", "dash.example") as (port, lines):  # fmt: skip
-        assert status_of(port, f"127.0.0.1:{port}") == 401
+        # a browser without credentials is sent to the login page; a wrong header gets 401
+        assert status_of(port, f"127.0.0.1:{port}") == 303
+        assert status_of(port, f"127.0.0.1:{port}", path="/login") == 200
         assert status_of(port, f"127.0.0.1:{port}", wrong) == 401
         assert status_of(port, f"127.0.0.1:{port}", ok) == 200
         assert status_of(port, "dash.example", ok) == 200
@@ -396,7 +398,8 @@ def test_the_dashboard_command_takes_its_secret_from_a_file_or_the_environment(
         assert "file-secret" not in "".join(lines)
     env = {"DRAMATIQ_PG_DASHBOARD_AUTH": "env-token-77"}
     with command(dramatiq_pg_url, schema, "dashboard", "--port", "0", env=env) as (port, lines):
-        assert status_of(port, f"localhost:{port}") == 401
+        assert status_of(port, f"localhost:{port}") == 303
+        assert status_of(port, f"localhost:{port}", "Bearer env-token-7") == 401
         assert status_of(port, f"localhost:{port}", "Bearer env-token-77") == 200
         assert "env-token" not in "".join(lines)
     empty = tmp_path / "empty"

@@ -21,7 +21,7 @@ from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_DURABLE_OUTCOMES
 from dramatiq_pg_fenced.consumer import HEAD
 
-FROM_HEAD = {"from_priority": HEAD[0], "from_at": HEAD[1], "from_seq": HEAD[2]}
+FROM_HEAD = {"from_priority": HEAD[0], "from_at": HEAD[1], "from_seq": HEAD[2], "channel": "", "took": None}
 
 
 def test_claims_and_outcomes_are_relaxed_by_default() -> None:

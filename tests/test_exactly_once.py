@@ -19,7 +19,8 @@ from dramatiq.results import Results
 from helpers import Factory, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError
+from dramatiq_pg_fenced.admin import CancelOutcome
+from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError, NestedSendError
 from dramatiq_pg_fenced.results import PostgresBackend
 
 
@@ -73,7 +74,7 @@ def test_the_actors_write_commits_with_its_ack_on_the_brokers_connection(dramati
     assert counts(broker) == {f"k{i}": 1 for i in range(5)}
     assert left(broker) == []
     assert query(broker, "SELECT count(*) FROM {schema}.history WHERE actor_name = 'pay'") == [(5,)]
-    assert query(broker, "SELECT count(*) FROM {schema}.committed") == [(0,)]  # every later outcome written
+    assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'committed'") == [(0,)]  # every row finished
     assert stale(broker) == 0
 
 
@@ -236,6 +237,42 @@ def test_a_rescue_leaves_a_row_locked_by_an_open_block_alone(dramatiq_pg_broker_
     assert stale(broker) == 0
 
 
+def test_a_committed_message_is_never_delivered_again_and_maintenance_finishes_a_dead_workers(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given a block that committed and a worker that then stops before its outcome writer finishes
+    the row (as if it died), its lease long past, I expect the rescue to leave it alone (it is done,
+    not lost), a cancel to find it finished, maintenance to finish it into the history (without what
+    the delivery caused after its block), and the worker's late outcome, when it comes, to write
+    nothing and break nothing: the write applied once."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=30)
+    with_counter(broker)
+    committed, go = threading.Event(), threading.Event()
+
+    @dramatiq.actor(broker=broker, max_retries=3)
+    def pay(key: str) -> None:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        committed.set()
+        go.wait(30)
+
+    with running_worker(broker, threads=1):
+        message = pay.send("k")
+        wait_for(committed.is_set, 30, "the block to commit")
+        assert left(broker) == [("committed", 1)]
+        query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '2 hours'")
+        assert broker.parts.maintenance.rescue() == 0
+        assert broker.cancel(message.message_id).value == "not_found"
+        broker.parts.maintenance.purge()
+        assert left(broker) == []
+        assert broker.inspect(message.message_id)["state"] == "done"  # type: ignore[index]
+        go.set()
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+
+
 def test_what_the_delivery_causes_after_the_block_is_written_once(dramatiq_pg_broker_factory: Factory) -> None:
     """Given an actor with a stored result, a pipeline's next step and an on_success callback, I expect
     each written once after its block committed the ack: the result readable, the next step and the
@@ -271,7 +308,7 @@ def test_what_the_delivery_causes_after_the_block_is_written_once(dramatiq_pg_br
     assert sorted(after) == ["callback paid a", "paid b"]
     assert counts(broker) == {"a": 1, "b": 1}
     assert left(broker) == []
-    assert query(broker, "SELECT count(*) FROM {schema}.committed") == [(0,)]
+    assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'committed'") == [(0,)]
     assert stale(broker) == 0
 
 
@@ -309,3 +346,62 @@ def test_the_block_refuses_what_it_cannot_keep(dramatiq_pg_broker_factory: Facto
     assert len(errors) == 2 and "in a transaction already" in errors[0] and "committed already" in errors[1]
     assert counts(broker) == {"k": 1}
     assert left(broker) == []
+
+
+def test_with_ack_inside_the_block_is_refused_naming_the_block(dramatiq_pg_broker_factory: Factory) -> None:
+    """with_ack() inside fenced_transaction(): NestedSendError, naming the block the actor opened (not
+    broker.transaction(conn), which it never called); the block rolls back."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    errors: list[str] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> None:
+        try:
+            with broker.fenced_transaction() as conn:
+                add_one(conn, broker.schema, key)
+                with broker.with_ack():
+                    pass
+        except NestedSendError as e:
+            errors.append(str(e))
+
+    with running_worker(broker, threads=1):
+        pay.send("k")
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert len(errors) == 1 and errors[0].startswith("with_ack() inside fenced_transaction():"), errors
+    assert "broker.transaction" not in errors[0]
+    assert counts(broker) == {}
+
+
+def test_a_cancel_of_a_message_inside_its_block_answers_at_once_and_changes_nothing(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given an actor whose block is open (its row locked, as when its process is stopped inside it), I
+    expect cancel() not to wait for the block: it answers that the message is inside a fenced
+    transaction and changes nothing; the block then commits (the counter at 1, the message done), and a
+    cancel after it finds nothing to cancel."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    inside, go = threading.Event(), threading.Event()
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> None:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+            inside.set()
+            go.wait(30)
+
+    with running_worker(broker, threads=1):
+        message = pay.send("k")
+        wait_for(inside.is_set, 30, "the block to begin")
+        try:
+            assert broker.cancel(message.message_id) is CancelOutcome.IN_FENCED_TRANSACTION
+            assert query(broker, "SELECT state FROM {schema}.message") == [("running",)]
+        finally:
+            go.set()
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+    assert broker.cancel(message.message_id) is CancelOutcome.NOT_FOUND

@@ -332,6 +332,51 @@ def test_a_message_cancelled_while_prefetched_never_starts(dramatiq_pg_broker_fa
     assert broker.stats()["process"]["stale_writes"] == 0
 
 
+def test_one_read_lets_every_waiting_delivery_start_and_refuses_a_cancelled_one(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given 6 deliveries waiting in a worker's prefetch past the start check's window, one of them
+    cancelled and no notification heard (listen off), I expect their starts to read the database once
+    in all (the read covers every waiting delivery), the cancelled one refused and the others let
+    through (before, each read its own row); and a delivery that waits past the window again after
+    that read, to read again."""
+    import time
+
+    from dramatiq_pg_fenced import leases
+
+    monkeypatch.setattr(leases, "START_CHECK_AFTER", 1.0)  # wide, so the starts below fall within it
+    broker = dramatiq_pg_broker_factory(listen=False, poll_interval=30)
+    broker.declare_queue("q")
+
+    @dramatiq.actor(queue_name="q", broker=broker)
+    def job(n: int) -> None:
+        pass
+
+    broker.enqueue_many([job.message(n) for n in range(7)])
+    consumer = broker.consume("q", prefetch=7, timeout=2000)
+    got = [next(consumer) for _ in range(7)]
+    assert all(isinstance(m, PostgresMessageProxy) for m in got)
+    gate = broker.parts.gate
+    reads: list[int] = []
+    real = gate.statements
+
+    class Counted:
+        def __getattr__(self, name: str) -> Any:
+            if name == "still_held_many":
+                reads.append(1)
+            return getattr(real, name)
+
+    monkeypatch.setattr(gate, "statements", Counted())
+    assert broker.cancel(got[2].message_id).value == "cancelled_running"
+    time.sleep(1.1)  # every delivery waited past the window since its claim
+    answers = [broker.why_not_start(m) for m in got[:6]]
+    assert len(reads) == 1
+    assert [a is None for a in answers] == [True, True, False, True, True, True]
+    assert "it was cancelled" in str(answers[2])  # found gone by the one read, and so lost
+    time.sleep(1.1)  # the last one waits past the window since that read
+    assert broker.why_not_start(got[6]) is None and len(reads) == 2
+
+
 # -- no silent loss through options ----------------------------------------------------------
 def test_a_message_with_dramatiqs_eta_option_runs_when_due(dramatiq_pg_broker_factory: Factory) -> None:
     from dramatiq.common import current_millis

@@ -68,6 +68,12 @@ def next_message(c: PostgresConsumer, timeout: float = 10.0) -> Any:
     return wait_for(lambda: next(c), timeout=timeout, what="a delivery")
 
 
+def listening(broker: PostgresBroker) -> None:
+    """Wait until *broker*'s process listens: a few round trips after its first consumer (its seats and
+    its queues' door first, turns.py), and as it begins every queue looks back once."""
+    wait_for(lambda: broker.parts.turns.hearing() is not None, 10, "the process to listen")
+
+
 def drained_floor(broker: PostgresBroker, c: PostgresConsumer) -> Any:
     """Claim one message from the head with the queue otherwise empty: the floor is set after it."""
     c.floor.forget()
@@ -81,6 +87,7 @@ def test_claims_start_at_the_floor_once_the_queue_was_seen_drained(
 ) -> None:
     c = broker.consume("floor", prefetch=4, timeout=200)
     try:
+        listening(broker)
         send(broker, 0)
         first = drained_floor(broker, c)
         starts.clear()
@@ -129,6 +136,7 @@ def test_released_messages_behind_the_floor_are_claimed_at_once(
     other = dramatiq_pg_broker_factory(schema=broker.schema, poll_interval=0.1, rescue_interval=3600)
     dramatiq.actor(queue_name="floor", actor_name="work", broker=other)(lambda n: None)
     c = broker.consume("floor", prefetch=4, timeout=200)
+    listening(broker)  # the process that claims is the one that listens for the queue: the other waits
     leaving = other.consume("floor", prefetch=4, timeout=200)
     try:
         old = send(broker, 0)
@@ -149,6 +157,7 @@ def test_released_messages_behind_the_floor_are_claimed_at_once(
 def test_a_resumed_queue_is_claimed_from_the_head(broker: PostgresBroker, no_look_back: None) -> None:
     c = broker.consume("floor", prefetch=4, timeout=200)
     try:
+        listening(broker)  # the resume's "!back" reaches a process that listens
         send(broker, 0)
         first = drained_floor(broker, c)
         broker.pause("floor")
@@ -192,6 +201,8 @@ def test_rows_behind_the_floor_are_found_by_the_next_look_back(
     dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
     c = broker.consume("floor", prefetch=4, timeout=200)
     try:
+        if listen:
+            listening(broker)  # its start's look back is over: the next one must be the floor's
         send(broker, 0)
         first = drained_floor(broker, c)
         # Nothing announces these rows, and they lie before the floor: an enqueue that committed

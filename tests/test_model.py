@@ -15,7 +15,11 @@ rescuer's decides).  Hypothesis interleaves at random:
   re-enqueued at once), each with sends inside ``with broker.with_ack():``, an
   outbox send nested in that block, and a follow-up message the middleware
   sends (the next pipeline step, a callback); an ack whose connection breaks
-  at commit; a release at shutdown (``consumer.requeue``);
+  at commit; a release at shutdown (``consumer.requeue``); an actor that writes
+  inside ``broker.fenced_transaction()`` (a row of ``tally`` per delivery and a
+  send) and returns, raises inside the block or raises after it, its lease
+  lapsed and a rescuer and a cancel running inside the block or not; the same after its
+  delivery lost its message (redelivered elsewhere, cancelled, rescued);
 - faults: a delivery's holder stalls past its lease and another process takes
   the message; every lease lapses and a process rescues them;
 - operators, through the broker's methods: cancel, re-drive (one message, a
@@ -41,6 +45,11 @@ After every step the database is checked against a reference model:
   each broker's ``stats()["process"]["dropped_effects"]`` counts every one
   dropped; an outbox send exists exactly when its transaction committed,
   inside ``with_ack()`` too (the innermost transaction decides);
+- a fenced transaction begins exactly when its delivery holds its row (else
+  DeliveryLost, before its body); each committed block's write is in ``tally``
+  once, with its send and its ack, and nothing of any other delivery (a stale
+  one, a rolled-back one) is; a rescuer and a cancel leave the row an open block
+  locked (the cancel answers ``in_fenced_transaction`` without waiting);
 - every fenced-out write is counted once, by the process that made it: as a
   stale write (in ``stats()``, and in the database's total), or as a cancelled
   write when its message was cancelled;
@@ -61,7 +70,8 @@ dropped, the counts being at least once), and a plain test at the end of this
 file reproduces what it found.
 
 Bounded for CI (``DRAMATIQ_PG_MODEL_EXAMPLES``, default 30 examples of up to 50
-steps); ``DRAMATIQ_PG_MODEL_EXAMPLES=300 python -m pytest tests/test_model.py``
+steps, for the model and again for ``FencedTransactionModel``, which draws the
+fenced transaction more often); ``DRAMATIQ_PG_MODEL_EXAMPLES=300 python -m pytest tests/test_model.py``
 is the long run (with ``DRAMATIQ_PG_MODEL_SEED`` set, drawn at random rather
 than CI's fixed examples).
 """
@@ -83,10 +93,12 @@ from helpers import Factory, query, wait_for
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, delivery
+from dramatiq_pg_fenced import PostgresBroker, admin, delivery
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.errors import DeliveryLost
 from dramatiq_pg_fenced.results import PostgresBackend
 
 QUEUE = "model"
@@ -147,6 +159,7 @@ class World:
     cancelled_writes: list[int] = field(default_factory=lambda: [0, 0, 0])  # the same, of cancelled messages
     stale_results: int = 0  # result writes of the backends fenced out (counted in the database only)
     paused: bool = False  # is QUEUE paused?
+    tally: set[str] = field(default_factory=set)  # fence tokens of the deliveries whose fenced transaction committed
 
 
 class _Hooked:
@@ -188,7 +201,14 @@ class FenceModel(RuleBasedStateMachine):
             broker.declare_queue(FOLLOW_UPS)
         # One row per claim; a claim that finds nothing returns at once (a pooled connection waited for 10 ms).
         self.consumers = [b.consume(QUEUE, prefetch=1, timeout=1) for b in self.brokers]
+        for consumer in self.consumers:
+            # A ring is answered at once, whoever owns the ring window now (turns.py decides that by the
+            # clock): which consumer claims is the model's choice, and a replay claims the same.
+            consumer.turns = None
         self.outbox = psycopg.connect(self.url)  # the application's own connection (the outbox pattern)
+        query(
+            first, "CREATE TABLE {schema}.tally (delivery uuid PRIMARY KEY, message_id uuid NOT NULL, n int NOT NULL)"
+        )
         self.world = World()
         self.ids: list[str] = []
         self.held: list[Held] = []  # deliveries the workers hold, not settled yet
@@ -380,13 +400,28 @@ class FenceModel(RuleBasedStateMachine):
                 return
 
     def _deliver(
-        self, held: Held, kind: str, tied: int = 0, outbox: str | None = None, follow_up: bool = False
+        self,
+        held: Held,
+        kind: str,
+        tied: int = 0,
+        outbox: str | None = None,
+        follow_up: bool = False,
+        fenced: str | None = None,
+        rescue_inside: int | None = None,
     ) -> bool:
         """Run *held* as a worker thread runs it, ending in *kind*: ack, nack, retry (Dramatiq's Retries,
         after the actor) or retry_at_once (the actor re-enqueues its own message, then returns).  The
         actor body sends *tied* messages inside ``with_ack()`` and, with *outbox*, one in an application
         transaction nested in it ("commit" or "rollback"); with *follow_up* a middleware sends one after
-        the actor (the next pipeline step, a callback).  Returns whether its outcome applied."""
+        the actor (the next pipeline step, a callback).  Returns whether its outcome applied.
+
+        With *fenced*, the body is instead ``broker.fenced_transaction()``, adding 1 to the delivery's row
+        of ``tally`` and sending one message in it: "commit" (then *kind*), "raise_inside" (the actor
+        raises in the block: *kind* is then nack or retry) or "raise_after" (the block commits, then the
+        actor raises: *kind* nack).  With *rescue_inside*, the delivery's lease has lapsed as its block
+        begins, and that broker's rescuer and an operator's cancel run inside it (both must leave the
+        locked row alone; the cancel answers at once).  A
+        delivery that no longer holds its row meets DeliveryLost before the block's body and fails."""
         proxy, broker, which = held.proxy, held.broker, held.which
         row = self.world.rows.get(proxy.message_id)
         current = row is not None and row.state == "running" and row.current is proxy
@@ -397,12 +432,23 @@ class FenceModel(RuleBasedStateMachine):
 
         delivery.start(proxy)  # FencedDelivery.before_process_message: the actor starts on this thread
         # -- the actor body
-        with broker.with_ack():
-            if tied == 2:
-                ack_sends = [m.message_id for m in broker.enqueue_many([message(FOLLOW_UPS, "next") for _ in "ab"])]
-            else:
-                ack_sends = [self._follow_up(broker) for _ in range(tied)]
-            outboxed = None if outbox is None else self._outbox_send(broker, FOLLOW_UPS, outbox == "commit")
+        ack_sends: list[str] = []
+        outboxed = block_sent = None
+        committed = False
+        if fenced is not None:
+            block_sent, committed = self._fenced_body(held, fenced, failure, current, rescue_inside)
+            if block_sent is not None and not committed:
+                self.world.never.add(block_sent)  # rolled back with the block
+            if committed:  # else the actor raised (DeliveryLost, or in the block): nack or retry, as told
+                kind = "ack" if fenced == "commit" else "nack"
+            returned = kind == "ack"
+        else:
+            with broker.with_ack():
+                if tied == 2:
+                    ack_sends = [m.message_id for m in broker.enqueue_many([message(FOLLOW_UPS, "next") for _ in "ab"])]
+                else:
+                    ack_sends = [self._follow_up(broker) for _ in range(tied)]
+                outboxed = None if outbox is None else self._outbox_send(broker, FOLLOW_UPS, outbox == "commit")
         if kind == "retry_at_once":
             broker.enqueue(proxy, delay=0)  # its outcome, handed over at once: its result is never written
         if not returned:
@@ -424,6 +470,9 @@ class FenceModel(RuleBasedStateMachine):
         assert broker.flush_outcomes(10)
 
         # -- what the model expects
+        if committed:
+            assert block_sent is not None
+            return self._fenced_settled(held, fenced == "commit", block_sent, value, failure, store, sends)
         if outboxed is not None:  # the innermost transaction decides, whatever the delivery's outcome
             (self.world.follow_ups if outbox == "commit" else self.world.never).add(outboxed)
         self.world.never.update(ack_sends, sends)  # until the outcome applied, below
@@ -472,6 +521,65 @@ class FenceModel(RuleBasedStateMachine):
         else:
             self.world.stale[which] += 1
 
+    def _fenced_body(
+        self, held: Held, fenced: str, failure: Exception, current: bool, rescue_inside: int | None
+    ) -> tuple[str | None, bool]:
+        """The actor body of a fenced delivery: (the message sent in its block if the block began, whether
+        it committed).  Checks that the block began exactly when the delivery held its row."""
+        proxy, broker = held.proxy, held.broker
+        if rescue_inside is not None:
+            query(
+                broker,
+                "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE message_id = %s",
+                [proxy.message_id],
+            )
+        began = False
+        sent = None
+        try:
+            with broker.fenced_transaction() as conn:
+                began = True
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {}.tally (delivery, message_id, n) VALUES (%s, %s, 1)"
+                        " ON CONFLICT (delivery) DO UPDATE SET n = tally.n + 1"
+                    ).format(sql.Identifier(broker.schema)),
+                    [proxy.delivery, proxy.message_id],
+                )
+                sent = self._follow_up(broker)  # a row of the block's transaction
+                if rescue_inside is not None:
+                    other = self.brokers[rescue_inside]
+                    assert other.parts.maintenance.rescue() == 0, "a locked row is skipped"
+                    answer = admin.cancel(other.database, other.statements, proxy.message_id, channel=other.channel,
+                                          lock_timeout=0.05)  # fmt: skip
+                    assert answer is admin.CancelOutcome.IN_FENCED_TRANSACTION, "a cancel changes nothing, at once"
+                if fenced == "raise_inside":
+                    raise failure
+        except DeliveryLost:
+            assert not began and not current, "DeliveryLost exactly when the delivery no longer holds its row"
+            return None, False
+        except ValueError as e:
+            assert e is failure
+        assert began and current, "the block begins exactly when the delivery holds its row"
+        return sent, fenced != "raise_inside"
+
+    def _fenced_settled(
+        self, held: Held, returned: bool, block_sent: str, value: str, failure: Exception, store: bool, sends: list[str]
+    ) -> bool:
+        """What the model expects of a delivery whose fenced transaction committed (*returned*: and its
+        actor returned; else it raised after the block): its write, its send and the ack applied
+        together; what it caused after the block rides the ack (its failure the stored result)."""
+        proxy, mid = held.proxy, held.proxy.message_id
+        assert self.world.rows[mid].state == "running"
+        self.world.tally.add(str(proxy.delivery))
+        self.world.follow_ups.add(block_sent)
+        self.world.never.difference_update(sends)
+        self.world.follow_ups.update(sends)
+        del self.world.rows[mid]
+        self.world.history += 1
+        if store:
+            self._stored(proxy, ("value", value) if returned else ("failure", "ValueError", str(failure)))
+        return True
+
     def _stored(self, proxy: PostgresMessageProxy, result: tuple) -> None:
         """The result (or exception) of a delivery whose outcome applied: the message's result from now on."""
         self.world.results[proxy.message_id] = result
@@ -500,6 +608,16 @@ class FenceModel(RuleBasedStateMachine):
     def retry_at_once(self, pick: int, which: int, tied: int) -> None:
         if (held := self._take(pick, which)) is not None:
             self._deliver(held, "retry_at_once", tied)
+
+    @rule(pick=PICK, which=WHICH, fenced=st.sampled_from(["commit", "raise_inside", "raise_after"]),
+          then=st.sampled_from(["nack", "retry"]), follow_up=st.booleans(),
+          rescue_inside=st.sampled_from([None, None, None, 0, 1, 2]))  # fmt: skip
+    def fenced(self, pick: int, which: int, fenced: str, then: str, follow_up: bool, rescue_inside: int | None) -> None:
+        """The actor writes inside ``broker.fenced_transaction()`` (see _deliver); *then*: what Dramatiq
+        does when the actor raised (DeliveryLost, or in the block).  A stale delivery (its lease lapsed
+        and the message rescued or redelivered, cancelled, re-driven...) writes nothing."""
+        if (held := self._take(pick, which)) is not None:
+            self._deliver(held, then, follow_up=follow_up, fenced=fenced, rescue_inside=rescue_inside)
 
     @rule(pick=PICK, which=WHICH, tied=st.integers(0, 1))
     def ack_at_broken_commit(self, pick: int, which: int, tied: int) -> None:
@@ -772,6 +890,15 @@ class FenceModel(RuleBasedStateMachine):
         assert stats[0]["totals"].get("stale_writes", 0) == in_database, "and stale writes in the database"
 
     @invariant()
+    def fenced_writes_exactly_once(self) -> None:
+        """Each committed fenced transaction's write applied once; nothing of any other delivery."""
+        if not hasattr(self, "world"):
+            return
+        rows = query(self.brokers[0], "SELECT delivery, n FROM {schema}.tally")
+        assert {str(d) for d, _ in rows} == self.world.tally, "a write exactly for each committed block"
+        assert all(n == 1 for _, n in rows), "each block's write applied once"
+
+    @invariant()
     def results_of_applied_outcomes_only(self) -> None:
         if not hasattr(self, "world"):
             return
@@ -791,14 +918,65 @@ class FenceModel(RuleBasedStateMachine):
         delivery.start(None)
 
 
+class FencedTransactionModel(FenceModel):
+    """The model with the fenced transaction drawn more often: its rule under three more names."""
+
+    _FENCED = dict(
+        pick=FenceModel.PICK,
+        which=FenceModel.WHICH,
+        fenced=st.sampled_from(["commit", "raise_inside", "raise_after"]),
+        then=st.sampled_from(["nack", "retry"]),
+        follow_up=st.booleans(),
+        rescue_inside=st.sampled_from([None, None, None, 0, 1, 2]),
+    )
+
+    @rule(pick=FenceModel.PICK, which=FenceModel.WHICH, how=st.sampled_from(["redelivered", "cancelled", "rescued"]),
+          fenced=st.sampled_from(["commit", "raise_inside", "raise_after"]), then=st.sampled_from(["nack", "retry"]),
+          follow_up=st.booleans())  # fmt: skip
+    def fenced_after_losing_its_message(
+        self, pick: int, which: int, how: str, fenced: str, then: str, follow_up: bool
+    ) -> None:
+        """A held delivery loses its message before its block begins (its holder stalled past the lease
+        and another process took it; an operator cancelled it; every lease lapsed and a rescuer ran),
+        then runs its fenced transaction: DeliveryLost, nothing written, its outcome fenced out."""
+        held = self._take(pick, which, keep=True)
+        if held is None:
+            return
+        if how == "redelivered":
+            self.held.remove(held)
+            self.held.insert(0, held)
+            self.redeliver_elsewhere(0, which, rescuer=which)
+        elif how == "cancelled":
+            self._cancel(self.brokers[1], held.proxy.message_id)
+        else:
+            self.expire_and_rescue(rescuer=which)
+        self.held.remove(held)
+        self._deliver(held, then, follow_up=follow_up, fenced=fenced)
+
+    @rule(**_FENCED)
+    def fenced_b(self, **kwargs: Any) -> None:
+        self.fenced(**kwargs)
+
+    @rule(**_FENCED)
+    def fenced_c(self, **kwargs: Any) -> None:
+        self.fenced(**kwargs)
+
+    @rule(**_FENCED)
+    def fenced_d(self, **kwargs: Any) -> None:
+        self.fenced(**kwargs)
+
+
 @pytest.mark.timeout(600 + 2 * EXAMPLES)  # room to shrink a failing example (Hypothesis stops after 5 minutes)
-def test_the_fence_against_a_reference_model(dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str) -> None:
+@pytest.mark.parametrize("model", [FenceModel, FencedTransactionModel], ids=["fence", "fenced_transaction"])
+def test_the_fence_against_a_reference_model(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, model: type[FenceModel]
+) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
-    FenceModel.factory = staticmethod(dramatiq_pg_broker_factory)  # type: ignore[assignment]
-    FenceModel.url = dramatiq_pg_url
+    model.factory = staticmethod(dramatiq_pg_broker_factory)  # type: ignore[assignment]
+    model.url = dramatiq_pg_url
     run_state_machine_as_test(
-        FenceModel,
+        model,
         settings=settings(
             max_examples=EXAMPLES,
             stateful_step_count=50,

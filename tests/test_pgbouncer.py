@@ -564,7 +564,7 @@ def test_operator_commands_need_what_the_readme_says(least_privilege, pgbouncer,
     grant("GRANT USAGE ON SCHEMA {s} TO {r}")
     grant(
         "GRANT SELECT ON {s}.message, {s}.counter, {s}.schema_version, {s}.paused_queue, {s}.throughput,"
-        " {s}.history, {s}.schedule TO {r}"
+        " {s}.history, {s}.schedule, {s}.process, {s}.outcome_total TO {r}"
     )
     stats = cli(ops_url, lp.schema, "stats", "--json")
     assert stats.returncode == 0 and '"parked"' in stats.stdout, stats

@@ -136,7 +136,7 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     from dramatiq_pg_fenced.metrics import families
 
     queue = {
-        "queue": "mail", "queued": 4, "due": 3, "delayed": 1, "running": 2, "expired_leases": 1, "dead": 4, "cancelled": 0,
+        "queue": "mail", "queued": 4, "due": 3, "delayed": 1, "running": 2, "prefetched": 1, "expired_leases": 1, "dead": 4, "cancelled": 0,
         "done_last_minute": 5, "done_last_hour": 50, "dead_last_hour": 2, "stale_writes": 5,
         "oldest_due_seconds": 12.5,
         "paused_since": None,

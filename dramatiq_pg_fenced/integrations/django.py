@@ -15,6 +15,9 @@ Set up with ``django_dramatiq`` (it builds the broker from ``DRAMATIQ_BROKER``):
 - :func:`outbox`: ``with outbox(): ...`` is ``transaction.atomic()`` whose sends are
   written on Django's own connection, in its transaction: they exist if and only if it
   commits.
+- :func:`fenced_atomic`: inside an actor, ``transaction.atomic()`` whose writes (the ORM's
+  included) commit together with the delivery's ack, under its fence, or not at all (the
+  fenced transaction of :mod:`dramatiq_pg_fenced.exactly_once` on Django's connection).
 - :func:`dashboard_urls`: the dashboard under a path of your URLs, for staff only
   (Django's authentication), answering the host names of ``ALLOWED_HOSTS``.
 - :class:`TestRunner`: Django's runner, closing the broker's connections before the
@@ -34,7 +37,7 @@ from typing import Any
 import dramatiq
 import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, Error, connections, transaction
 from django.db.models.signals import post_migrate
 from django.http import HttpRequest, HttpResponse
 from django.http.request import split_domain_port, validate_host
@@ -47,8 +50,11 @@ from psycopg.conninfo import make_conninfo
 from ..broker import PostgresBroker
 from ..dashboard import AllowedHosts, Dashboard, dashboard_app
 from ..database import Database
+from ..errors import FencedTransactionError
+from ..interrupt import shielded
 
-__all__ = ["DjangoAllowedHosts", "DjangoPostgresBroker", "TestRunner", "dashboard_urls", "dashboard_view", "outbox"]
+__all__ = ["DjangoAllowedHosts", "DjangoPostgresBroker", "TestRunner", "dashboard_urls", "dashboard_view",
+           "fenced_atomic", "outbox"]  # fmt: skip
 
 #: Keys of ``DATABASES[...]["OPTIONS"]`` that are Django's, not libpq's: never passed on.
 _DJANGO_OPTIONS = {"assume_role", "isolation_level", "pool", "server_side_binding", "prepare_threshold", "context",
@@ -167,6 +173,64 @@ def outbox(broker: PostgresBroker | None = None, *, using: str | None = None) ->
             yield conn
 
 
+@contextmanager
+def fenced_atomic(broker: PostgresBroker | None = None, *, using: str | None = None) -> Iterator[psycopg.Connection]:
+    """Inside an actor: ``transaction.atomic(using)`` whose writes commit together with this delivery's
+    ack, under its fence, or not at all (``broker.fenced_transaction()`` on Django's connection)::
+
+        @dramatiq.actor
+        def pay(order_id):
+            with fenced_atomic():
+                Order.objects.filter(pk=order_id).update(paid=True)
+                receipt.send(order_id)  # a row of the same transaction
+
+    As the block begins, the delivery's row is taken, locked, in Django's transaction, as its ack
+    (the row moves to ``committed`` there); if the delivery no longer holds its message (its lease
+    lapsed and it was redelivered, or it was cancelled),
+    :class:`~dramatiq_pg_fenced.errors.DeliveryLost` is raised before the body runs.  Just before
+    Django commits, the sends made earlier in ``with_ack()`` are written in the transaction; the
+    message is done once Django has committed (``transaction.on_commit``).  An exception out of the body rolls it all back and takes the
+    delivery's normal path (retry, dead letter).  Sends inside are rows of the transaction.
+
+    The block must own the commit: inside another ``atomic()`` (or a ``TestCase``'s) it is refused
+    (:class:`~dramatiq_pg_fenced.errors.FencedTransactionError`), as on a database that is not
+    PostgreSQL through psycopg 3, outside an actor, or a second time in one delivery.  The
+    broker's tables must be in that database.  Yields the ``psycopg.Connection``.
+    """
+    broker = _broker(broker)
+    fence = broker.fence()
+    wrapper = transaction.get_connection(using)
+    if wrapper.in_atomic_block:
+        raise FencedTransactionError(
+            "fenced_atomic() inside an atomic block: the fenced transaction must begin and commit Django's "
+            "transaction itself (its commit is the ack); open it outside transaction.atomic()"
+        )
+    if wrapper.vendor != "postgresql":
+        raise FencedTransactionError(f"fenced_atomic(using={using!r}): the database is {wrapper.vendor}, not the "
+                                     "PostgreSQL of the broker's tables")  # fmt: skip
+    ended = False
+    try:
+        with shielded(), transaction.atomic(using=using):
+            conn = wrapper.connection
+            if not isinstance(conn, psycopg.Connection):
+                raise FencedTransactionError(f"Django's connection is a {type(conn).__module__}.{type(conn).__name__}: "
+                                             "fenced_atomic() needs Django on psycopg 3 (pip install 'psycopg[binary]')")  # fmt: skip
+            fence.begin(conn, explicit=False)  # Django's atomic() turned autocommit off: this begins it
+            with broker.transaction(conn, block="fenced_atomic()"):
+                yield conn
+            fence.end(conn, commit=False)
+            ended = True
+            transaction.on_commit(fence.committed, using=using)
+    except Error:  # Django's, its InterfaceError included
+        # The connection broke as Django committed: did the commit happen?
+        if ended and not fence.message.committed and fence.committed_after_all():
+            broker.logger.info("The connection broke as message %s's fenced_atomic() committed; it did commit.",
+                               fence.message.message_id)  # fmt: skip
+            fence.committed()
+            return
+        raise
+
+
 class DjangoAllowedHosts(AllowedHosts):
     """The dashboard's ``Host`` and ``Origin`` checks by ``ALLOWED_HOSTS``, read on each request with
     Django's rules (``"*"``, ``.example.com``, ports ignored; the loopback names under ``DEBUG``
@@ -227,6 +291,8 @@ def dashboard_view(
             "PATH_INFO": _wsgi_str("/" + rest),
             "wsgi.input": io.BytesIO(body),
             "CONTENT_LENGTH": str(len(body)),
+            # who acts, for the audit log of bulk actions: the Django user *require* let in
+            "REMOTE_USER": _wsgi_str(request.user.get_username()) if getattr(request, "user", None) else "",
         }
         status, headers, content = _call(app(), environ)
         response = HttpResponse(content, status=int(status[:3]), reason=status[4:] or None)

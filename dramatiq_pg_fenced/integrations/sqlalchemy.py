@@ -9,6 +9,15 @@
             confirm_order.send(order.id)   # a row of the session's transaction
     # committed: the order and its message; rolled back: neither
 
+Inside an actor, :func:`fenced_transaction` commits the session's writes together with the
+delivery's ack, under its fence, or not at all::
+
+    @dramatiq.actor
+    def pay(order_id):
+        with Session(engine) as session, fenced_transaction(session):
+            session.get(Order, order_id).paid = True
+    # committed with the ack; DeliveryLost (nothing written) if this delivery lost its message
+
 The engine must use the psycopg 3 driver (``postgresql+psycopg://``); the broker's tables must
 be in that database.
 """
@@ -16,19 +25,31 @@ be in that database.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import dramatiq
 import psycopg
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ..broker import PostgresBroker
-from ..errors import NestedSendError
+from ..errors import FencedTransactionError, NestedSendError
+from ..interrupt import shielded
 
-__all__ = ["outbox"]
+__all__ = ["fenced_transaction", "outbox"]
+
+
+def _driver(connection: Connection, what: str) -> psycopg.Connection:
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, psycopg.Connection):
+        raise TypeError(
+            f"the engine's driver connection is a {type(driver).__module__}.{type(driver).__name__}: {what} "
+            "needs psycopg 3 (postgresql+psycopg://), and a synchronous Session or Connection"
+        )
+    return driver
 
 
 @contextmanager
@@ -57,12 +78,7 @@ def outbox(session: Session | Connection, broker: PostgresBroker | None = None) 
         if not connection.in_transaction():
             connection.begin()
         target, when = connection, "commit"
-    driver = connection.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raise TypeError(
-            f"the engine's driver connection is a {type(driver).__module__}.{type(driver).__name__}: outbox() "
-            "needs psycopg 3 (postgresql+psycopg://), and a synchronous Session or Connection"
-        )
+    driver = _driver(connection, "outbox()")
 
     def refuse(*args: Any) -> None:
         raise NestedSendError(
@@ -76,3 +92,85 @@ def outbox(session: Session | Connection, broker: PostgresBroker | None = None) 
             yield driver
     finally:
         event.remove(target, when, refuse)
+
+
+@contextmanager
+def fenced_transaction(
+    session: Session | Connection, broker: PostgresBroker | None = None
+) -> Iterator[psycopg.Connection]:
+    """Inside an actor: a transaction of *session* (a ``Session`` or a ``Connection``) whose writes
+    commit together with this delivery's ack, under its fence, or not at all (the fenced transaction
+    of :mod:`dramatiq_pg_fenced.exactly_once`).
+
+    The block begins the transaction and takes the delivery's row in it, locked, as its ack (the row
+    moves to ``committed`` in the transaction); if the delivery no longer holds its message (its
+    lease lapsed and it was redelivered, or it was cancelled),
+    :class:`~dramatiq_pg_fenced.errors.DeliveryLost` is raised before the body runs.  As the body
+    ends, the session is flushed (and the sends made earlier in ``with_ack()`` written), and the
+    block commits.  An exception out of the body
+    rolls it all back and takes the delivery's normal path (retry, dead letter).  Sends inside are
+    rows of the transaction.
+
+    The block owns the transaction: *session* must not be in one (commit or roll back first, or use
+    a fresh session), and a commit inside the body is refused
+    (:class:`~dramatiq_pg_fenced.errors.NestedSendError`), as it would commit the writes without the
+    ack.  :class:`~dramatiq_pg_fenced.errors.FencedTransactionError` outside an actor, in a
+    transaction already, or a second time in one delivery.  *broker*: Dramatiq's global broker by
+    default.  Yields the ``psycopg.Connection``.
+    """
+    found = broker if broker is not None else dramatiq.get_broker()
+    if not isinstance(found, PostgresBroker):
+        raise TypeError(f"the broker is a {type(found).__name__}, not a PostgresBroker")
+    fence = found.fence()
+    if session.in_transaction():
+        raise FencedTransactionError(
+            "fenced_transaction(session): the session is in a transaction already; the block must begin and "
+            "commit it (commit or roll back first)"
+        )
+    is_session = isinstance(session, Session)
+    target: Any = session
+    when = "before_commit" if is_session else "commit"
+    ours = False
+
+    def refuse(*args: Any) -> None:
+        if not ours:
+            raise NestedSendError(
+                "commit inside fenced_transaction(): it would commit the block's writes without the delivery's "
+                "ack; the block commits as it ends"
+            )
+
+    ended = False
+    event.listen(target, when, refuse)
+    try:
+        with shielded():
+            trans = session.begin()
+            driver: psycopg.Connection | None = None
+            try:
+                connection = session.connection() if isinstance(session, Session) else session
+                driver = _driver(connection, "fenced_transaction()")
+                fence.begin(driver, explicit=driver.autocommit)
+                with found.transaction(driver, block="fenced_transaction(session)"):
+                    yield driver
+                if isinstance(session, Session):
+                    session.flush()
+                fence.end(driver, commit=False)
+                ended, ours = True, True
+                trans.commit()
+            except BaseException:
+                if trans.is_active:
+                    with suppress(Exception):
+                        trans.rollback()
+                if driver is not None:  # a commit refused inside leaves SQLAlchemy's transaction ended, not ours
+                    with suppress(psycopg.Error):
+                        driver.rollback()
+                raise
+    except DBAPIError:
+        if ended and fence.committed_after_all():  # the connection broke as it committed: it did
+            found.logger.info("The connection broke as message %s's fenced_transaction(session) committed; it "
+                              "did commit.", fence.message.message_id)  # fmt: skip
+            fence.committed()
+            return
+        raise
+    finally:
+        event.remove(target, when, refuse)
+    fence.committed()

@@ -25,7 +25,9 @@ DATABASES = {
         "HOST": _db.get("host", ""),
         "PORT": _db.get("port", ""),
         "TEST": {"NAME": os.environ.get("DJANGO_TEST_DATABASE")},
-    }
+    },
+    # Not PostgreSQL: fenced_atomic(using="sqlite") is refused (no test queries it).
+    "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
 }
 
 INSTALLED_APPS = [

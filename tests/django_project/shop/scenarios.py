@@ -18,11 +18,13 @@ from dramatiq.middleware import Retries
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from dramatiq_pg_fenced.integrations.django import DjangoPostgresBroker, outbox
+from dramatiq_pg_fenced.errors import FencedTransactionError
+from dramatiq_pg_fenced.integrations.django import DjangoPostgresBroker, fenced_atomic, outbox
 from dramatiq_pg_fenced.middleware import FencedDelivery
 
+from . import tasks
 from .models import Order
-from .tasks import confirm_order
+from .tasks import confirm_order, count_in_a_fenced_atomic, misuse_fenced_atomic
 
 #: The id of the message a TestCase sends in its transaction; no later test may find it.
 IN_A_TESTCASE = "0f0f0f0f-0000-4000-8000-00000000c0de"
@@ -141,6 +143,20 @@ class DashboardForStaff(TestCase):
         self.assertEqual(response.status_code, 403)
         self.assertEqual(self.post("/ops/queues/action", {**form, "token": "guess"}).status_code, 403)
 
+    def test_the_audit_log_names_the_django_user_who_acted(self) -> None:
+        broker = dramatiq.get_broker()
+        message = dramatiq.Message(queue_name="shop-audit", actor_name="confirm_order", args=(0,), kwargs={},
+                                   options={})  # fmt: skip
+        broker.enqueue(message)
+        self.addCleanup(broker.flush, "shop-audit")
+        self.client.force_login(self.staff)
+        page = self.get(f"/ops/queues/bulk?action=cancel&scope=selected&ids={message.message_id}").content.decode()
+        self.assertIn("Cancel 1 message", page)
+        form = dict(re.findall(r'<input type=hidden name="([^"]+)" value="([^"]*)">', page.split("<form")[-1]))
+        response = self.post("/ops/queues/action", form, HTTP_ORIGIN="https://shop.example.com")
+        self.assertEqual(response.status_code, 303, re.findall(r"class=error>[^<]*", response.content.decode()))
+        self.assertIn("<td>ops</td>", self.get("/ops/queues/audit").content.decode())
+
 
 class AfterTheTestCases(TransactionTestCase):
     """Runs after every TestCase (Django orders them so), before any worker test flushes the queues."""
@@ -206,3 +222,81 @@ class OutboxWithAWorker(DramatiqTestCase):
         self.assertEqual(self.broker.inspect(message.message_id)["state"], "queued")
         self.broker.cancel(message.message_id)
         self.worker.resume()
+
+
+class FencedAtomicWithAWorker(DramatiqTestCase):
+    """fenced_atomic(): an actor's ORM writes commit with its delivery's ack, or not at all."""
+
+    def join(self) -> None:
+        self.broker.join("shop-fenced", timeout=30_000)
+        self.assertTrue(self.broker.flush_outcomes(10))
+
+    def total(self, order: Order) -> int:
+        order.refresh_from_db()
+        return order.total
+
+    def test_the_orm_write_commits_with_the_ack_and_not_before(self) -> None:
+        # Given an actor held inside its block after its ORM write
+        order = Order.objects.create(total=0)
+        tasks.INSIDE.clear()
+        tasks.HOLD.clear()
+        message = count_in_a_fenced_atomic.send(order.pk, "hold")
+        self.assertTrue(tasks.INSIDE.wait(30))
+        # I expect neither the write nor the ack visible while it is open
+        self.assertEqual(self.total(order), 0)
+        self.assertEqual(self.broker.inspect(message.message_id)["state"], "running")
+        # and when it ends, both: the total at 1, the message done at its first attempt
+        tasks.HOLD.set()
+        self.join()
+        self.assertEqual(self.total(order), 1)
+        info = self.broker.inspect(message.message_id)
+        self.assertEqual((info["state"], info["attempt"]), ("done", 1))
+        self.assertEqual(tasks.SEEN[order.pk], [("body", 1), ("after", "done")])
+
+    def test_a_delivery_that_lost_its_message_writes_nothing_and_raises_DeliveryLost(self) -> None:
+        # Given a first attempt whose lease lapses and whose message is rescued before its block begins
+        order = Order.objects.create(total=0)
+        message = count_in_a_fenced_atomic.send(order.pk, "lose_first")
+        self.join()
+        # I expect DeliveryLost before its body, and only the redelivery's write: the total at 1
+        seen = tasks.SEEN[order.pk]
+        self.assertEqual(sorted(seen, key=str), sorted([("rescued", 1), ("lost", 1), ("body", 2)], key=str))
+        self.assertEqual(self.total(order), 1)
+        info = self.broker.inspect(message.message_id)
+        self.assertEqual((info["state"], info["attempt"]), ("done", 2))
+
+    def test_an_exception_in_the_body_rolls_back_and_the_retry_writes(self) -> None:
+        order = Order.objects.create(total=0)
+        message = count_in_a_fenced_atomic.send(order.pk, "fail_first")
+        self.join()
+        self.assertEqual(tasks.SEEN[order.pk], [("body", 1), ("body", 2)])
+        self.assertEqual(self.total(order), 1)  # the first attempt's write rolled back
+        info = self.broker.inspect(message.message_id)
+        self.assertEqual((info["state"], info["attempt"]), ("done", 2))
+
+    def test_a_commit_whose_connection_broke_after_it_applied_counts_as_committed(self) -> None:
+        # Given a block whose COMMIT applies but whose connection breaks before the reply
+        order = Order.objects.create(total=0)
+        stale = self.broker.stats()["process"]["stale_writes"]
+        message = count_in_a_fenced_atomic.send(order.pk, "broken_commit")
+        self.join()
+        # I expect the block to find it committed: the actor goes on, nothing retried, no stale write
+        self.assertEqual(tasks.SEEN[order.pk], [("body", 1), ("after", 1)])
+        self.assertEqual(self.total(order), 1)
+        info = self.broker.inspect(message.message_id)
+        self.assertEqual((info["state"], info["attempt"]), ("done", 1))
+        self.assertEqual(self.broker.stats()["process"]["stale_writes"], stale)
+
+    def test_it_is_refused_inside_atomic_on_another_database_and_outside_an_actor(self) -> None:
+        with self.assertRaisesRegex(FencedTransactionError, "outside an actor"), fenced_atomic():
+            pass
+        order = Order.objects.create(total=0)
+        message = misuse_fenced_atomic.send(order.pk)
+        self.join()
+        seen = tasks.SEEN[order.pk]
+        self.assertEqual([kind for kind, _ in seen], ["refused", "refused", "nested"], seen)
+        self.assertIn("inside an atomic block", seen[0][1])
+        self.assertIn("sqlite", seen[1][1])
+        self.assertIn("with_ack() inside fenced_atomic()", seen[2][1])
+        self.assertEqual(self.total(order), 0)
+        self.assertEqual(self.broker.inspect(message.message_id)["state"], "done")

@@ -1,0 +1,108 @@
+"""The charts' data: outcomes per minute from the tallies and the samples, depth and age sampled once a
+minute by one process at a time, kept a day."""
+
+from __future__ import annotations
+
+import time
+
+import dramatiq
+import psycopg
+import pytest
+from helpers import query
+
+from dramatiq_pg_fenced import PostgresBroker, charts
+
+
+def message(queue: str) -> dramatiq.Message:
+    return dramatiq.Message(queue_name=queue, actor_name="a", args=(), kwargs={}, options={})
+
+
+def early_in_a_minute(broker: PostgresBroker) -> None:
+    """Wait for the next minute if this one (by the database clock) ends within 15 s: what the test
+    does and reads must fall in one minute."""
+    ((second,),) = query(broker, "SELECT extract(second FROM now())::float8")
+    if second > 45:
+        time.sleep(60.5 - second)
+
+
+def sample(broker: PostgresBroker) -> bool:
+    with broker.database.connection() as conn:
+        return charts.take_sample(conn, broker.statements)
+
+
+def test_series_per_minute_from_the_tallies_and_the_samples_over_an_hour_and_a_day(
+    dramatiq_pg_broker: PostgresBroker, dramatiq_pg_worker: dramatiq.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = dramatiq_pg_broker
+    monkeypatch.setattr(charts, "SAMPLE_EVERY", float("inf"))  # the worker's loop samples no more: the test does
+    query(broker, "DELETE FROM {schema}.queue_minute")  # (one it may have taken already)
+    early_in_a_minute(broker)
+
+    @dramatiq.actor(queue_name="ch", max_retries=1, min_backoff=1, max_backoff=1)
+    def job(fail: bool) -> None:
+        if fail:
+            raise ValueError("no")
+
+    # Given 3 messages done and 1 retried then dead this minute, and 2 due and 1 delayed in another queue
+    for fail in (False, False, False, True):
+        job.send(fail)
+    broker.join("ch", timeout=30_000, fail_fast=False)
+    broker.flush_outcomes(10)
+    broker.declare_queue("other")
+    broker.pause("other")  # (the worker would take them)
+    broker.enqueue_many([message("other"), message("other")])
+    broker.enqueue(message("other"), delay=600_000)
+    query(broker, "UPDATE {schema}.message SET available_at = now() - interval '100 s' WHERE queue_name = 'other'"
+          " AND available_at <= now()")  # fmt: skip
+    # When a process takes this minute's sample (another one finds it taken)
+    assert sample(broker) is True
+    assert sample(broker) is False
+    # Then the hour's series has 60 minutes, this one last, with its outcomes and its depth
+    hour = broker.series(queue="ch")
+    assert len(hour.minutes) == len(hour.finished) == len(hour.due) == 60
+    assert (hour.finished[-1], hour.failed[-1], hour.retried[-1]) == (3, 1, 1)
+    assert sum(hour.finished) == 3 and hour.due[-1] == 0 and hour.due[0] is None
+    other = broker.series(queue="other")
+    assert other.due[-1] == 2 and 99 < other.oldest_due_seconds[-1] < 200 and sum(other.finished) == 0
+    overall = broker.series()
+    assert (overall.finished[-1], overall.failed[-1], overall.due[-1]) == (3, 1, 2)
+    assert overall.oldest_due_seconds[-1] == other.oldest_due_seconds[-1]
+    day = broker.series(span="day")
+    assert len(day.minutes) == 1440 and day.minutes[-1] == hour.minutes[-1] and sum(day.finished) == 3
+
+    # When the minute is three hours old (its tallies purged after the next sample copied them)
+    query(broker, "UPDATE {schema}.throughput SET minute = minute - interval '3 hours'")
+    query(broker, "UPDATE {schema}.queue_minute SET minute = minute - interval '3 hours'")
+    assert sample(broker) is True  # copies the tallies' minute that is over, then they go
+    broker.parts.maintenance.purge()
+    assert query(broker, "SELECT count(*) FROM {schema}.throughput") == [(0,)]
+    # Then the day's series still has them, at their minute, from the samples alone
+    day = broker.series(queue="ch", span="day")
+    at = len(day.minutes) - 1 - 180
+    assert (day.finished[at], day.failed[at], day.retried[at]) == (3, 1, 1)
+    assert sum(day.finished) == 3 and day.due[at] == 0
+    assert broker.series(queue="ch").finished == [0] * 60  # not in the last hour
+
+    # And samples older than a day are purged
+    query(broker, "UPDATE {schema}.queue_minute SET minute = minute - interval '1 day'")
+    broker.parts.maintenance.purge()
+    assert query(broker, "SELECT count(*) FROM {schema}.queue_minute") == [(0,)]
+
+
+def test_one_process_samples_at_a_time(dramatiq_pg_broker: PostgresBroker, dramatiq_pg_url: str) -> None:
+    broker = dramatiq_pg_broker
+    early_in_a_minute(broker)
+    # Given another session holds the samplers' lock (a sample being taken)
+    with psycopg.connect(dramatiq_pg_url) as other:
+        other.execute(broker.statements.sample_claim)
+        # Then this process skips the minute without waiting
+        assert sample(broker) is False
+    # And takes it once the other is done
+    assert sample(broker) is True
+
+
+def test_a_series_of_an_unknown_span_or_a_bad_queue_name_is_refused(dramatiq_pg_broker: PostgresBroker) -> None:
+    with pytest.raises(ValueError, match="span"):
+        dramatiq_pg_broker.series(span="week")
+    with pytest.raises(ValueError, match="queue name"):
+        dramatiq_pg_broker.series(queue="no spaces")
