@@ -370,13 +370,16 @@ class OutcomeWriter:
         if all(o.committed and not o.effects for o in batch):
             self._write_committed(batch)
             return
+        # A delivery whose fenced transaction committed never runs again: a crash must not undo the
+        # ack of its row, nor what rides with it (its result, its next step), as it may undo others.
+        durable = any(o.committed for o in batch)
         stmts = self.statements
         by_kind: dict[Write, list[Outcome]] = {Write.ACK: [], Write.NACK: [], Write.RETRY: [], Write.RESULT: []}
         for outcome in batch:
             by_kind[outcome.kind].append(outcome)
         # The same message may appear twice only through a bug upstream; the
         # fence makes the second write a counted no-op.
-        with self.database.connection(raw=True) as conn, self._transaction(conn):
+        with self.database.connection(raw=True) as conn, self._transaction(conn, durable=durable):
             applied: set[tuple[str, str]] = set()  # (message id, delivery) of the writes that applied
             if committed := [o for o in by_kind[Write.ACK] if o.committed]:
                 # Committed by their fenced transaction: their effects apply if their row is still here.
@@ -485,8 +488,12 @@ class OutcomeWriter:
     def _write_committed(self, outcomes: list[Outcome]) -> None:
         """Deliveries whose fenced transaction committed and that caused nothing since: their rows are
         finished as acks are, in one statement (see migration 016).  One already gone was written
-        before a lost connection, or finished by maintenance: nothing to write either way."""
-        statement = self._committed_statement(relaxed=not self.settings.durable_outcomes)
+        before a lost connection, or finished by maintenance: nothing to write either way.
+
+        Durable whatever ``durable_outcomes`` says: such a delivery never runs again, so a finish a
+        crash undid would leave its row committed until the rescue's grace ran out
+        (:data:`~.maintenance.COMMITTED_GRACE_LEASES`), and its commit already waited for a flush."""
+        statement = self._committed_statement(relaxed=False)
         params = {"ids": [o.message_id for o in outcomes], "deliveries": [o.delivery for o in outcomes]}
         with self.database.connection(raw=True) as conn:
             conn.execute(statement, {**params, "writer": self.writer})
@@ -506,16 +513,17 @@ class OutcomeWriter:
         return stmts.ack_relaxed if relaxed else stmts.ack
 
     @contextmanager
-    def _transaction(self, conn: psycopg.Connection) -> Iterator[None]:
+    def _transaction(self, conn: psycopg.Connection, *, durable: bool = False) -> Iterator[None]:
         """The writer's (or a release's) transaction on *conn* (autocommit).
 
-        Unless ``durable_outcomes``, its commit does not wait for the WAL flush: it begins with
-        ``BEGIN; SET LOCAL synchronous_commit = off``, one round trip as a plain BEGIN.  One lost in
-        a crash makes its messages run again, with what they cause (results, follow-up messages,
-        countdowns: all in this transaction, lost together).  ``conn.transaction()`` blocks inside
-        are savepoints, as in psycopg's own transaction.
+        Unless ``durable_outcomes`` (or *durable*), its commit does not wait for the WAL flush: it
+        begins with ``BEGIN; SET LOCAL synchronous_commit = off``, one round trip as a plain BEGIN.
+        One lost in a crash makes its messages run again, with what they cause (results, follow-up
+        messages, countdowns: all in this transaction, lost together).  Not so a delivery whose
+        fenced transaction committed: it never runs again, so a batch with one is *durable*.
+        ``conn.transaction()`` blocks inside are savepoints, as in psycopg's own transaction.
         """
-        if self.settings.durable_outcomes:
+        if self.settings.durable_outcomes or durable:
             with conn.transaction():
                 yield
             return

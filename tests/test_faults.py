@@ -32,7 +32,7 @@ from helpers import acked, wait_for
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced import PostgresBroker, maintenance
 from dramatiq_pg_fenced.consumer import PostgresConsumer
 
 APP = "tests.apps.fault_app"
@@ -1044,6 +1044,72 @@ def wal_flushes(url: str) -> int:
 
 
 @pytest.mark.slow
+def test_what_a_committed_block_causes_after_it_survives_a_database_crash() -> None:
+    """A delivery whose fenced transaction committed is never run again, so the ack that finishes its
+    row, with its stored result and its pipeline's next step, must not be one a crash can undo (as
+    the relaxed ack of any other delivery may be: that one runs again).  On a server of the test's
+    own whose WAL writer is frozen (an asynchronous commit stays in its memory), a pipeline's first
+    step commits its block and is acked; then every server process is SIGKILLed and the server
+    started again.  I expect the first step finished, its result readable, the next step there and
+    no row left 'committed' (before: the crash undid the ack, the result and the next step; the row
+    waited ten leases for the rescue, which finished it without them)."""
+    import dramatiq
+    from dramatiq.results import Results
+    from helpers import running_worker
+
+    from dramatiq_pg_fenced.results import PostgresBackend
+
+    server = OwnedServer(autovacuum="off")
+    broker = PostgresBroker(server.url, schema="crash_block", lease_seconds=5, poll_interval=0.05)
+    try:
+        broker.migrate()
+        _owned(server, "CREATE TABLE crash_block.paid (key text PRIMARY KEY)")
+        backend = PostgresBackend(broker=broker)
+        broker.add_middleware(Results(backend=backend, store_results=True))
+
+        @dramatiq.actor(broker=broker, queue_name="crash_block")
+        def pay(key: str) -> str:
+            with broker.fenced_transaction() as conn:
+                conn.execute("INSERT INTO crash_block.paid (key) VALUES (%s)", [key])
+            return f"paid {key}"
+
+        @dramatiq.actor(broker=broker, queue_name="crash_next")
+        def then(previous: str) -> None:
+            pass
+
+        walwriter = _owned(server, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+        first = pay.message("a")
+        with running_worker(broker, threads=1):
+            wait_for(lambda: broker.database.started_doorbell(broker.channel) is not None, 10, "the doorbell")
+            os.kill(walwriter, signal.SIGSTOP)
+            dramatiq.pipeline([first, then.message()], broker=broker).run()
+            wait_for(
+                lambda: _owned(server, "SELECT count(*) FROM crash_block.message WHERE message_id = %s",
+                               [first.message_id]) == [(0,)],
+                30,
+                "the first step's ack",
+            )
+            server.crash()  # at once: the worker's own durable commits (its shutdown's) would flush the WAL
+            server.start()
+            states = _owned(server, "SELECT actor_name, state FROM crash_block.message ORDER BY actor_name")
+        assert ("pay", "committed") not in states, states
+        assert _owned(server, "SELECT key FROM crash_block.paid") == [("a",)]
+        assert backend.get_result(first, block=True, timeout=10_000) == "paid a"
+        later = _owned(server, "SELECT count(*) FROM crash_block.message WHERE actor_name = 'then'")[0][0]
+        kept = _owned(server, "SELECT count(*) FROM crash_block.history WHERE actor_name = 'then'")[0][0]
+        assert later + kept == 1, states
+    finally:
+        broker.close()
+        server.close()
+
+
+def _owned(server: OwnedServer, text: str, params: Any = None) -> list[tuple]:
+    with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+        cur = conn.execute(text, params)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.mark.slow
 def test_only_the_enqueue_waits_for_the_wal_flush() -> None:
     """On a server of the test's own with fsync on (and a WAL writer that waits 10 s between its own
     flushes), one message at a time goes through enqueue, claim, lease extension and an ack, nack or
@@ -1173,7 +1239,7 @@ def test_a_database_crash_loses_no_message_and_no_stale_delivery_finalizes(
 # -- 6. exactly-once effects in the same database (issue 28) -----------------------------------------
 @pytest.mark.slow
 def test_a_fenced_transactions_write_applies_exactly_once_under_sigstop_and_sigkill(
-    fault_env: Callable[..., Env],
+    fault_env: Callable[..., Env], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """1200 messages, each adding 1 to its own row inside ``broker.fenced_transaction()``, while one
     worker process is SIGSTOPped past its lease and the other SIGKILLed (and restarted), in turns,
@@ -1221,6 +1287,9 @@ def test_a_fenced_transactions_write_applies_exactly_once_under_sigstop_and_sigk
     assert set(left) <= {"committed"}, left  # every message acked or committed: none queued, running, dead or cancelled
     # A block whose worker was SIGKILLed after its commit, before its outcome writer finished the row: the
     # rescue finishes it ten leases after its lease (exactly_once.py); never delivered again meanwhile.
+    # Every worker is stopped now, so none of their outcome writers can still be at work: one lease of
+    # grace is enough for this test's own rescue (ten would only make it wait 20 s).
+    monkeypatch.setattr(maintenance, "COMMITTED_GRACE_LEASES", 1)
     wait_for(
         lambda: broker.parts.maintenance.rescue() == 0 and not ledger.rows_by_state(),
         30 + 12 * broker.lease_seconds,
@@ -1280,3 +1349,7 @@ def test_a_fenced_transactions_write_applies_exactly_once_across_postgresql_rest
     again = sum(1 for n in starts.values() if n > 1)
     print(f"\n{len(restarts)} restarts, {restarts} deliveries unfinished at each: {again} messages ran more than once")
     assert again > 0, "no message ran twice: the restarts cut no delivery short"
+    # Every committed row was finished by its own worker: a crash undid no such finish, which would
+    # leave it to the rescue, ten leases later, without what it caused after its block.
+    rescued = [line for line in worker_log_lines(workers, ("WARNING",)) if "finished by the rescue" in line]
+    assert not rescued, rescued
