@@ -130,6 +130,14 @@ class Workers:
         self.procs.append(proc)
         return proc
 
+    def tell(self, lines: int = 15) -> str:
+        """Each CLI's pid, exit code and last log lines (for a failure's message)."""
+        told = []
+        for proc in self.procs:
+            tail = proc.log_path.read_text(errors="replace").splitlines()[-lines:]  # type: ignore[attr-defined]
+            told.append(f"-- CLI {proc.pid}, exit code {proc.poll()}:\n" + "\n".join(tail))
+        return "\n".join(told)
+
     def kill(self, proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -860,7 +868,7 @@ def test_a_message_that_kills_its_worker_is_dead_lettered(
     while (broker.inspect(mid) or {}).get("state") != "dead":
         starts = [e for e in ledger.entries(mid) if e.event == "start"]
         assert len(starts) <= 3, f"ran {len(starts)} times: {starts}"
-        assert time.monotonic() < deadline, f"not dead-lettered in time: {broker.inspect(mid)}"
+        assert time.monotonic() < deadline, f"not dead-lettered in time: {broker.inspect(mid)}\n{workers.tell()}"
         if proc is None or proc.poll() is not None:
             proc = workers.start()  # the CLI stops when its worker process is killed
         time.sleep(0.1)
@@ -1083,12 +1091,8 @@ def test_what_a_committed_block_causes_after_it_survives_a_database_crash() -> N
             wait_for(lambda: broker.database.started_doorbell(broker.channel) is not None, 10, "the doorbell")
             os.kill(walwriter, signal.SIGSTOP)
             dramatiq.pipeline([first, then.message()], broker=broker).run()
-            wait_for(
-                lambda: _owned(server, "SELECT count(*) FROM crash_block.message WHERE message_id = %s",
-                               [first.message_id]) == [(0,)],
-                30,
-                "the first step's ack",
-            )
+            row = "SELECT count(*) FROM crash_block.message WHERE message_id = %s"
+            wait_for(lambda: _owned(server, row, [first.message_id]) == [(0,)], 30, "the first step's ack")
             server.crash()  # at once: the worker's own durable commits (its shutdown's) would flush the WAL
             server.start()
             states = _owned(server, "SELECT actor_name, state FROM crash_block.message ORDER BY actor_name")
