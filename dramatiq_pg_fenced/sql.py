@@ -230,6 +230,17 @@ _LIVE_PROCESS = "p.heartbeat_at > now() - %(beats)s * p.beat_seconds * interval 
 #: (``synchronous_commit=False``) and, unless ``durable_outcomes=True``, by
 #: claims and lease extensions.
 _RELAXED = ", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+#: A durable send's commit waits for the WAL flush even where a default says
+#: ``synchronous_commit = off`` (the role's, the database's, the server's or the connection's: a
+#: common tuning): ``send()`` returning means the row is on disk.  A caller's own ``SET`` or ``SET
+#: LOCAL`` (source ``session``) is kept, as is any setting that flushes locally (``local``, ``on``,
+#: ``remote_apply``...).  Set for the statement's own transaction, or the caller's for a send
+#: inside one.  ``pg_settings`` is read only when the setting is ``off`` (a lazy InitPlan).
+_DURABLE = (
+    ", (SELECT CASE WHEN current_setting('synchronous_commit') <> 'off' THEN NULL"
+    " WHEN (SELECT source FROM pg_settings WHERE name = 'synchronous_commit') = 'session' THEN NULL"
+    " ELSE set_config('synchronous_commit', 'on', true) END) AS durable"
+)
 #: A row's state as operators say it: one its fenced transaction committed is done (its outcome
 #: writer finishes it within milliseconds; see exactly_once.py).
 _STATE = "CASE state WHEN 'committed' THEN 'done' ELSE state END"
@@ -522,7 +533,7 @@ def _enqueue(rows: str, *, relaxed: bool) -> str:
             SELECT m.id, m.queue, m.actor, m.priority,
                    now() + m.delay_ms * interval '1 millisecond', m.payload
               FROM {_ENQUEUE_ROWS[rows]} AS m(id, queue, actor, priority, delay_ms, payload)
-                   {_RELAXED if relaxed else ""}
+                   {_RELAXED if relaxed else _DURABLE}
             ON CONFLICT (message_id) DO NOTHING
             RETURNING queue_name, available_at
         ), {_RING}
@@ -550,7 +561,7 @@ def _enqueue_unique(*, relaxed: bool) -> str:
                 (message_id, queue_name, actor_name, priority, available_at, payload, unique_key, unique_until)
             SELECT m.id, m.queue, m.actor, m.priority,
                    now() + m.delay_ms * interval '1 millisecond', m.payload, m.key, m.until
-              FROM m{_RELAXED if relaxed else ""}
+              FROM m{_RELAXED if relaxed else _DURABLE}
              ORDER BY m.n
             ON CONFLICT DO NOTHING
             RETURNING message_id, actor_name, unique_key, queue_name, available_at

@@ -1107,6 +1107,37 @@ def test_what_a_committed_block_causes_after_it_survives_a_database_crash() -> N
         server.close()
 
 
+@pytest.mark.slow
+def test_a_send_is_durable_where_synchronous_commit_is_off_by_default() -> None:
+    """``synchronous_commit = off`` as the role's or database's default is a common tuning; the
+    broker promises that ``send()`` returns once its row is on disk all the same.  On a server of
+    the test's own whose WAL writer is frozen, a broker whose sessions have it off sends one message,
+    one in a batch and one with a unique key; then every server process is SIGKILLed and the server
+    started again.  I expect the three messages there (before: gone, every send had returned)."""
+    server = OwnedServer(autovacuum="off")
+    url = make_conninfo(server.url, options="-c synchronous_commit=off")
+    broker = PostgresBroker(url, schema="durable_send")
+    try:
+        broker.migrate()
+        broker.declare_queue("q")
+        assert broker.database.run(lambda c: c.execute("SHOW synchronous_commit").fetchone()) == ("off",)
+        walwriter = _owned(server, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+        os.kill(walwriter, signal.SIGSTOP)
+        one = Message(queue_name="q", actor_name="a", args=(1,), kwargs={}, options={})
+        many = [Message(queue_name="q", actor_name="a", args=(2,), kwargs={}, options={})]
+        unique = Message(queue_name="q", actor_name="a", args=(3,), kwargs={}, options={"unique_key": "k"})
+        broker.enqueue(one)
+        broker.enqueue_many(many)
+        broker.enqueue(unique)
+        server.crash()
+        server.start()
+        kept = {mid for (mid,) in _owned(server, "SELECT message_id::text FROM durable_send.message")}
+        assert kept == {one.message_id, many[0].message_id, unique.message_id}
+    finally:
+        broker.close()
+        server.close()
+
+
 def _owned(server: OwnedServer, text: str, params: Any = None) -> list[tuple]:
     with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
         cur = conn.execute(text, params)  # type: ignore[arg-type]
