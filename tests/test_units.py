@@ -7,6 +7,7 @@ import dramatiq
 import pytest
 from dramatiq.middleware import Middleware
 
+from dramatiq_pg_fenced import sql as sql_module
 from dramatiq_pg_fenced.consumer import LostClaims
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy, attempt_of
 from dramatiq_pg_fenced.fencing import State, Write, left_by, stale_message
@@ -85,11 +86,14 @@ def test_relaxed_variants_and_only_they_turn_synchronous_commit_off() -> None:
     """Each relaxed statement is its durable one with the set_config piece joined to its FROM list."""
     s = statements("units")
     relaxed = b", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
-    for durable in ("enqueue", "enqueue_one", "claim", "extend"):
+    forced_on = sql_module._DURABLE.encode()  # a durable send's: on where a default set it off
+    for durable in ("enqueue", "enqueue_one", "enqueue_unique", "claim", "extend"):
         without = getattr(s, f"{durable}_relaxed").replace(relaxed, b"")
-        assert b" ".join(without.split()) == b" ".join(getattr(s, durable).split())
+        assert b" ".join(without.split()) == b" ".join(getattr(s, durable).replace(forced_on, b"").split())
         assert relaxed in getattr(s, f"{durable}_relaxed")
-    for name in ("enqueue", "enqueue_one", "claim", "ack", "nack", "retry", "requeue", "extend", "rescue"):
+    for name in ("enqueue", "enqueue_one", "enqueue_unique"):
+        assert forced_on in getattr(s, name) and b"'off', true" not in getattr(s, name)
+    for name in ("claim", "ack", "nack", "retry", "requeue", "extend", "rescue"):
         assert b"synchronous_commit" not in getattr(s, name)
     assert s.begin_relaxed == b"BEGIN; SET LOCAL synchronous_commit = off"  # the writer's transactions
     assert b"unnest" in s.enqueue and b"unnest" not in s.enqueue_one
