@@ -32,7 +32,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
-from .errors import SchemaError, ServerUnwritable, as_lost, describe_failure, lost_connection, unwritable
+from .errors import MISSING_OBJECT, SchemaError, ServerUnwritable, as_lost, describe_failure, lost_connection, unwritable
 from .interrupt import shielded
 from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, server_for, where
 
@@ -254,6 +254,8 @@ class Database:
                 try:
                     yield conn
                 except psycopg.Error as e:
+                    if isinstance(e, MISSING_OBJECT):
+                        self.check_again(conn, e)
                     if not unwritable(e) or self.reads:  # a reader that wrote: a bug, not a failover
                         raise
                     self.drop_unwritable(conn, e)
@@ -270,6 +272,23 @@ class Database:
             if raw:
                 raise
             raise ConnectionClosed(self.describe(e)) from None
+
+    def check_again(self, conn: psycopg.Connection, error: psycopg.Error) -> None:
+        """A statement on *conn* found a table, schema or function missing (``MISSING_OBJECT``): if
+        the schema was dropped or taken back under this running process, raise
+        :class:`~.errors.SchemaError` (said once, as at a start without it, and checked again at the
+        next pooled connection) instead of *error* from every part on every try.  Otherwise (the
+        caller's own object was missing) return, and the caller raises *error*."""
+        try:
+            migrations.check(conn, self.schema, url_hint=self.safe_url())
+        except SchemaError as e:
+            local = self._local
+            if local is not None:
+                local.schema_checked = False
+            self.schema_unready.hit(str(e))
+            raise e from error
+        except psycopg.Error:
+            pass
 
     @contextmanager
     def _pooled(self, local: _ProcessLocal, *, fail_fast: bool, timeout: float | None) -> Iterator[psycopg.Connection]:

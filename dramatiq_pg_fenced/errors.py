@@ -12,6 +12,16 @@ class SchemaError(BrokerError):
     """The database has no schema, or an older one: run the migrate command."""
 
 
+#: What a statement raises when the schema was dropped, or taken back to an older version, under a
+#: running process (the database layer then checks the schema again: database.py).
+MISSING_OBJECT = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedColumn,
+)
+
+
 class PayloadTooLarge(BrokerError, ValueError):
     """An encoded message is larger than the broker's ``max_payload_bytes``."""
 

@@ -32,7 +32,7 @@ from dramatiq.errors import ConnectionClosed
 from .config import Settings
 from .database import Database
 from .delivery import PostgresMessageProxy
-from .errors import as_lost, unwritable
+from .errors import MISSING_OBJECT, as_lost, unwritable
 from .fencing import State
 from .interrupt import Interrupter
 from .periodic import Periodic
@@ -420,6 +420,8 @@ class LeaseKeeper(Periodic):
                 conn.close()
             raise
         except psycopg.Error as e:  # a server that takes no writes is a lost connection (errors.py)
+            if isinstance(e, MISSING_OBJECT):
+                self.database.check_again(conn, e)  # the schema was dropped: said once (SchemaError)
             if not unwritable(e):
                 raise
             self._conn = None

@@ -44,6 +44,17 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "c
         time.sleep(0.02)
 
 
+def clear_of_idle_polls(broker: PostgresBroker, queue_name: str, every: float, seconds: float) -> None:
+    """Waits past the next idle poll of *queue_name* if it falls within *seconds*.
+
+    Idle polls fall on a wall-clock grid (turns.py: every *every* seconds, at a fixed offset per
+    queue), however long the interval; a test that counts claims and runs across a point of it
+    sees the poll's claim too (a test with an hourly poll failed at every half hour)."""
+    wait = broker.parts.turns.until_grid(f"poll {queue_name}", every, group=queue_name)
+    if wait < seconds:
+        time.sleep(wait + 0.5)
+
+
 def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
     """Run *text* with ``{schema}`` bound to the broker's schema."""
     stmt = sql.SQL(text).format(schema=sql.Identifier(broker.schema))

@@ -9,7 +9,7 @@ import dramatiq
 import pytest
 from helpers import Factory, acked, query, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced import PostgresBroker, SchemaError
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
 
 
@@ -521,6 +521,57 @@ def test_a_missing_schema_is_said_once_not_by_every_part_on_every_try(
         broker.close()
         with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def test_a_schema_dropped_under_a_running_broker_is_said_once_and_taken_up_again_once_migrated(
+    dramatiq_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a broker whose parts all run (claims, rescue, heartbeat) on a migrated schema, when
+    someone drops the schema (a test's teardown, an operator's mistake), I expect the same single
+    "not ready" line as at a start without one, not a traceback from every part on every tick
+    (seen: "Maintenance failed; trying again." from a dropped schema's broker), and the work to go
+    on once the schema is back."""
+    import time
+    import uuid as uuid_
+
+    import psycopg
+    from psycopg import sql
+
+    schema = f"t_{uuid_.uuid4().hex[:12]}"
+    broker = PostgresBroker(dramatiq_pg_url, schema=schema, poll_interval=0.05, rescue_interval=0.05, lease_seconds=1)
+    broker.declare_queue("default")
+    drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+    try:
+        broker.migrate()
+        consumer = broker.consume("default", prefetch=1, timeout=50)
+        first = message()
+        broker.enqueue(first)
+        held = wait_for(lambda: next(consumer), 10, "a delivery")  # its lease is extended meanwhile
+        time.sleep(0.3)  # the rescue has run
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+                conn.execute(drop)
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                assert next(consumer) is None  # nothing to claim, no exception into Dramatiq
+            with pytest.raises(SchemaError, match="migrate"):
+                broker.enqueue(message())  # a send says what to do
+            consumer.ack(held)  # the writer tries it again until the schema is back
+            time.sleep(0.5)
+        said = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR", "CRITICAL")]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert "migrate" in said[0].getMessage() and schema in said[0].getMessage()
+        broker.migrate()
+        sent = message()
+        broker.enqueue(sent)
+        got = wait_for(lambda: next(consumer), 10, "a delivery once migrated again")
+        assert got.message_id == sent.message_id
+        consumer.ack(got)
+    finally:
+        broker.close()
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+            conn.execute(drop)
 
 
 # -- connection faults: named, and within connect_timeout -----------------------------------------
