@@ -32,7 +32,15 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import migrations
 from .conditions import Condition
 from .doorbell import Doorbell
-from .errors import MISSING_OBJECT, SchemaError, ServerUnwritable, as_lost, describe_failure, lost_connection, unwritable
+from .errors import (
+    MISSING_OBJECT,
+    SchemaError,
+    ServerUnwritable,
+    as_lost,
+    describe_failure,
+    lost_connection,
+    unwritable,
+)
 from .interrupt import shielded
 from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, server_for, where
 
