@@ -137,6 +137,8 @@ def describe_failure(error: BaseException, where: str = "") -> str:
         if refused:
             return f"PostgreSQL{at} refused the connection: {refused}"
         return f"cannot reach PostgreSQL{at}: {text.rsplit(' failed: ', 1)[-1]}"
+    if isinstance(error, SchemaError):  # says which schema, and what to run
+        return text
     sqlstate = getattr(error, "sqlstate", None)
     return f"PostgreSQL{at} failed the statement (SQLSTATE {sqlstate}): {text}"
 

@@ -363,6 +363,9 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
         conn.server.unwritable("it reports itself read-only", conn.generation)
         conn.close()
         raise psycopg.OperationalError("connection to a server that takes no writes")
+    # One made while the server took no writes, which says now that it takes them: the spell is over
+    # (else only a new connection would say so, and sends would still be refused as to a read-only server).
+    conn.server.writable()
 
 
 def check_readable(conn: psycopg.Connection[Any]) -> None:

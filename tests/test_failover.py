@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from test_faults import Env
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.errors import ServerUnwritable, describe_failure, lost_connection, refusal, worth_retrying
-from dramatiq_pg_fenced.reconnect import Server, connect_failure, where
+from dramatiq_pg_fenced.reconnect import Server, connect_failure, server_for, where
 
 # -- without a server ---------------------------------------------------------------------------
 
@@ -111,6 +112,38 @@ def read_only_server() -> Iterator[ReadOnlyServer]:
         yield server
     finally:
         server.close()
+
+
+def test_the_end_of_a_read_only_spell_is_seen_on_a_connection_made_during_it(
+    read_only_server: ReadOnlyServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a pool that made its connection while the server took no writes, when the server takes
+    writes again and that connection is handed out (its check asks the server again), I expect the
+    spell to be over for the whole process, said once, not only once some part makes a new connection
+    (seen: a send served on such a connection while the process still held the server read-only)."""
+    broker = PostgresBroker(read_only_server.url, schema="ro_end", connect_timeout=2, pool_max_size=1)
+    server = server_for(broker.database.conninfo)
+    try:
+        broker.migrate()
+        broker.declare_queue("q")
+        broker.enqueue(Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))
+        read_only_server.read_only(True)
+        with pytest.raises(ConnectionClosed, match="takes no writes"):
+            broker.enqueue(Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))
+        assert server.read_only is not None
+        with contextlib.suppress(psycopg.Error), broker.database.connection(raw=True, timeout=0.2):
+            pass  # the pool's connections made during the spell are refused at checkout; it makes others
+        time.sleep(1.0)  # every attempt under way has ended
+        wait_for(lambda: broker.database._here().pool.get_stats().get("pool_available", 0) == 1, 10, "a pooled connection")
+        assert server.read_only is not None
+        with caplog.at_level(logging.INFO, logger="dramatiq_pg_fenced"):
+            read_only_server.read_only(False)
+            with broker.database.connection(raw=True) as conn:  # the one made during the spell
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert server.read_only is None
+        assert [r.getMessage() for r in caplog.records if "takes writes again" in r.getMessage()] != []
+    finally:
+        broker.close()
 
 
 def dead_or_done(broker: PostgresBroker, message_id: str) -> str | None:

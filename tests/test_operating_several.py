@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from helpers import Factory, query
 from test_dashboard import chrome  # noqa: F401 (the fixture)
@@ -328,8 +329,8 @@ def test_a_database_that_does_not_answer_leaves_the_others_shown(
         lines = out.splitlines()
         assert code == 3 and lines[1].split()[:2] == ["first", "a"] and "second" not in out
         assert "error: database second did not answer" in err
-    finally:
-        with second.database.connection() as conn:
+    finally:  # (on a connection of its own: the broker's own now refuses, its schema being gone)
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
             conn.execute(f'ALTER SCHEMA "{gone}" RENAME TO "{second.schema}"')
 
 
