@@ -1135,8 +1135,11 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         theirs = b.get(kind, {}).get(key)
         return None if value is None or not theirs else float(value / theirs)
 
-    add("drain vs RabbitMQ", ratio("postgres", "rabbitmq", "drain_per_s"), 1.5, "x", bound=over(ceiling, "rabbitmq", "drain_per_s"))
-    add("drain vs Redis", ratio("postgres", "redis", "drain_per_s"), 2.0, "x", bound=over(ceiling, "redis", "drain_per_s"))
+    def drain(label: str, kind: str, goal: float) -> None:
+        add(f"drain vs {label}", ratio("postgres", kind, "drain_per_s"), goal, "x", bound=over(ceiling, kind, "drain_per_s"))
+
+    drain("RabbitMQ", "rabbitmq", 1.5)
+    drain("Redis", "redis", 2.0)
 
     def theirs_latency(key: str) -> float | None:
         return latency("rabbitmq", key)
@@ -1178,20 +1181,8 @@ def targets(out: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
         bound=startup_bound,
     )
     # Issue 25: against the durable peers (a durable broker's fair comparison), and the latency floor.
-    add(
-        "drain vs Redis-AOF (appendfsync always)",
-        ratio("postgres", "redis-aof", "drain_per_s"),
-        2.0,
-        "x",
-        bound=over(ceiling, "redis-aof", "drain_per_s"),
-    )
-    add(
-        "drain vs RabbitMQ-confirms",
-        ratio("postgres", "rabbitmq-confirms", "drain_per_s"),
-        2.0,
-        "x",
-        bound=over(ceiling, "rabbitmq-confirms", "drain_per_s"),
-    )
+    drain("Redis-AOF (appendfsync always)", "redis-aof", 2.0)
+    drain("RabbitMQ-confirms", "rabbitmq-confirms", 2.0)
     add(
         "single send vs Redis-AOF",
         ratio("postgres", "redis-aof", "single_send_per_s"),
