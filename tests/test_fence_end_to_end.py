@@ -574,6 +574,31 @@ def test_a_schema_dropped_under_a_running_broker_is_said_once_and_taken_up_again
             conn.execute(drop)
 
 
+def test_a_missing_object_of_the_callers_own_is_raised_as_it_is_and_the_schema_stays_ready(
+    dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A statement of the application's own on the broker's connection (a fenced transaction's, say)
+    that names a table, column or function that does not exist gets PostgreSQL's own error, not a
+    "schema not ready" one: the schema is checked again, found ready, and nothing is said."""
+    import psycopg
+
+    broker = dramatiq_pg_broker_factory()
+    broker.declare_queue("default")
+    with caplog.at_level("INFO"):
+        for text, error in (
+            ("SELECT * FROM no_such_table_here", psycopg.errors.UndefinedTable),
+            ("SELECT no_such_column FROM pg_class", psycopg.errors.UndefinedColumn),
+            ("SELECT no_such_function_here()", psycopg.errors.UndefinedFunction),
+            ("SELECT * FROM no_such_schema_here.t", psycopg.errors.UndefinedTable),
+        ):
+            with pytest.raises(error), broker.database.connection() as conn:
+                conn.execute(text)
+        sent = message()
+        broker.enqueue(sent)  # the broker goes on as before
+    assert broker.inspect(sent.message_id) is not None
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")] == []
+
+
 # -- connection faults: named, and within connect_timeout -----------------------------------------
 @pytest.mark.parametrize(
     ("where", "words"),
