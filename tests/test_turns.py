@@ -194,6 +194,10 @@ def test_a_notification_leads_to_one_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(turns, "RING_STEP", 0.5)  # a claim's "!took" arrives well within a step
+    # A starved test process (CI's second pass: 6.8 s between two sends) made its door's holder look
+    # stuck after quick_turns' 2.6 s, so the waiters listened too and each claimed once from the head:
+    # that is the stuck-holder rule (test_wake_one), not this test's.
+    monkeypatch.setattr(turns, "stuck_after", lambda: 60.0)
     first = dramatiq_pg_broker_factory(poll_interval=3600, rescue_interval=3600)
     brokers = [first] + [
         dramatiq_pg_broker_factory(schema=first.schema, poll_interval=3600, rescue_interval=3600) for _ in range(2)
