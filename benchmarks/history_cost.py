@@ -84,7 +84,8 @@ def main() -> None:
                 migrations.migrate(conn, schema)
                 try:
                     stmts = statements(schema)
-                    text = bind(PLAIN, sql.Identifier(schema)) if kind == "plain" else getattr(stmts, kind)
+                    quoted = sql.Identifier(schema).as_string(None)
+                    text = bind(PLAIN, quoted) if kind == "plain" else getattr(stmts, kind)
                     ids = fill(conn, schema, args.rows)
                     times[kind].append(ack_all(conn, text, ids, args.batch) / args.rows)
                     if kind == "ack_keep":

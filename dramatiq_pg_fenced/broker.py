@@ -284,7 +284,7 @@ class PostgresBroker(
         password, database, schema); pass if it works, or cannot be reached now (waited for).  Once per
         process, as a worker starts (``FencedDelivery``)."""
         if self._checked_in != this_process():
-            startup.check(self.database)
+            startup.check(self.database, ready=self.database.found_ready)  # its connection: the pool's first
             self._checked_in = this_process()
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ from .errors import (
     unwritable,
 )
 from .interrupt import shielded
-from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, server_for, where
+from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, seed, server_for, where
 
 T = TypeVar("T")
 
@@ -364,6 +364,20 @@ class Database:
         if bumped and local is not None and local.pid == _pid and local.owns_pool:
             with suppress(Exception):
                 local.pool.drain()
+
+    def found_ready(self, conn: PacedConnection, kwargs: dict[str, Any]) -> None:
+        """The start-up check found the schema ready on *conn*, a connection of this process's own made
+        with *kwargs*: make this process's pool now, with *conn* as its first connection (one connection
+        fewer to wait for before the first claim; the pool's first statements run on a server process
+        that has read the schema already), and take the check as the pool's (the first pooled
+        connection would check the schema again).  A schema dropped afterwards is found by the first
+        statement that misses it (:meth:`check_again`).  A pool made already, or given, does not take
+        *conn*: it is closed."""
+        if self.given_pool is None and not self.started:
+            seed(conn, self.url, kwargs)
+        else:
+            conn.close()
+        self._here().schema_checked = True
 
     def connect(self) -> psycopg.Connection:
         """A connection of its own (not pooled), paced like the pool's while the server is away.

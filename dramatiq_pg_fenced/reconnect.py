@@ -328,6 +328,9 @@ class PacedConnection(psycopg.Connection[Any]):
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
         server = server_for(conninfo)
+        seed = _take_seed(conninfo, kwargs, server)
+        if seed is not None:
+            return seed
         generation = server.generation
         kwargs = {**tcp_defaults(conninfo), **kwargs}
         conn = server.connect(lambda: super(PacedConnection, cls).connect(conninfo, **kwargs))
@@ -340,6 +343,67 @@ class PacedConnection(psycopg.Connection[Any]):
     def stale(self) -> bool:
         """Made before its server was found to take no writes, or the server says it takes none now."""
         return self.generation != self.server.generation or reports_read_only(self)
+
+    @classmethod
+    def connect_once(cls, conninfo: str = "", **kwargs: Any) -> Any:
+        """One attempt, not through the :class:`Server` (not paced, no outage said): the start-up
+        check's connection (startup.py), which may then become a pool's first (:func:`seed`)."""
+        server = server_for(conninfo)
+        generation = server.generation
+        conn = super().connect(conninfo, **{**tcp_defaults(conninfo), **kwargs})
+        conn.server, conn.generation, conn.checked_at = server, generation, time.monotonic()
+        return conn
+
+
+#: Seconds a seeded connection waits to be taken: the pool it was left for connects within milliseconds.
+SEED_WAIT = 5.0
+#: What a seed must have been made with to stand for a new connection (the rest is how to connect).
+_SEED_KEYS = ("autocommit", "prepare_threshold")
+_seeds: dict[tuple[int, str], tuple[PacedConnection, dict[str, Any], float]] = {}
+_seeds_lock = threading.Lock()
+
+
+def _settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Of *kwargs*, what a connection keeps from them (an absent one stands for psycopg's default, not None)."""
+    return {k: kwargs.get(k, "default") for k in _SEED_KEYS}
+
+
+def seed(conn: PacedConnection, conninfo: str, kwargs: dict[str, Any]) -> None:
+    """Leave *conn* (idle, made in this process with *kwargs* by :meth:`PacedConnection.connect_once`)
+    for the next :meth:`PacedConnection.connect` to *conninfo* with the same settings: a worker's
+    start-up check hands its connection to the pool it makes next, one connection fewer to wait for
+    before the first claim (each took 6-10 ms on the 2-core VM, and a new server process is slower
+    at its first statements).  A seed not taken within :data:`SEED_WAIT` seconds is closed."""
+    key = (os.getpid(), conninfo)
+    with _seeds_lock:
+        old = _seeds.pop(key, None)
+        _seeds[key] = (conn, _settings(kwargs), time.monotonic())
+    if old is not None:
+        old[0].close()
+
+
+def _take_seed(conninfo: str, kwargs: dict[str, Any], server: Server) -> PacedConnection | None:
+    """The connection :func:`seed` left for *conninfo*, if it still stands for a new one made with *kwargs*."""
+    if not _seeds:
+        return None
+    with _seeds_lock:
+        found = _seeds.pop((os.getpid(), conninfo), None)
+    if found is None:
+        return None
+    conn, made_with, at = found
+    usable = (
+        made_with == _settings(kwargs)
+        and time.monotonic() - at <= SEED_WAIT
+        and not conn.closed
+        and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        and conn.generation == server.generation
+    )
+    if not usable:
+        conn.close()
+        return None
+    if not reports_read_only(conn):
+        server.writable()
+    return conn
 
 
 def check_connection(conn: psycopg.Connection[Any]) -> None:
@@ -430,6 +494,7 @@ __all__ = [
     "check_readable",
     "connect_failure",
     "reports_read_only",
+    "seed",
     "server_for",
     "tcp_defaults",
     "where",

@@ -20,6 +20,9 @@ English; in another ``lc_messages`` the worker waits, as before).  Errors of a l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import psycopg
 from dramatiq.errors import ConnectionClosed
 from dramatiq.middleware import MiddlewareError
@@ -27,7 +30,7 @@ from dramatiq.middleware import MiddlewareError
 from . import migrations
 from .database import Database, connection_kwargs
 from .errors import SchemaError
-from .reconnect import tcp_defaults
+from .reconnect import PacedConnection
 
 
 class StartupError(MiddlewareError, ConnectionClosed):
@@ -77,17 +80,20 @@ def refused_for_good(error: BaseException) -> bool:
     return all(any(words in cause for words in _FOR_GOOD) for cause in causes)
 
 
-def check(database: Database) -> str | None:
+def check(database: Database, *, ready: Callable[[PacedConnection, dict[str, Any]], None] | None = None) -> str | None:
     """Raise :class:`StartupError` if *database* can never work as configured.  Otherwise return
     ``None`` if it is ready, or why it cannot be reached now (that is waited for).  One connection of
-    its own, not the pool's (whose attempts would announce an outage and try again)."""
+    its own, not the pool's (whose attempts would announce an outage and try again); when the schema
+    is ready it goes to *ready* with the settings it was made with (the broker's pool takes it as its
+    first: :meth:`.Database.found_ready`), else it is closed."""
+    kwargs = connection_kwargs(database.connect_timeout, prepare=database.prepare)
     try:
-        kwargs = {
-            **tcp_defaults(database.conninfo),
-            **connection_kwargs(database.connect_timeout, prepare=database.prepare),
-        }
-        with psycopg.connect(database.conninfo, **kwargs) as conn:
+        conn = PacedConnection.connect_once(database.conninfo, **kwargs)
+        try:
             migrations.check(conn, database.schema, url_hint=database.safe_url())
+        except BaseException:
+            conn.close()
+            raise
     except SchemaError as e:
         raise StartupError(f"Cannot start: {e}") from None
     except psycopg.Error as e:
@@ -97,6 +103,10 @@ def check(database: Database) -> str | None:
                 " password and database name"
             ) from None
         return database.describe(e)
+    if ready is None:
+        conn.close()
+    else:
+        ready(conn, kwargs)
     return None
 
 

@@ -33,7 +33,9 @@ from dramatiq.errors import ConnectionClosed
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker, StartupError
+from dramatiq_pg_fenced import PostgresBroker, StartupError, migrations, reconnect
+from dramatiq_pg_fenced.database import connection_kwargs
+from dramatiq_pg_fenced.reconnect import PacedConnection
 from dramatiq_pg_fenced.startup import refused_for_good
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,6 +202,87 @@ def test_a_worker_started_in_process_on_an_unmigrated_schema_raises(dramatiq_pg_
             worker.start()
     finally:
         broker.close()
+
+
+# -- a good start: one connection fewer, the schema checked once -------------------------------------
+def test_a_worker_start_checks_the_schema_once_and_its_pool_keeps_the_checks_connection(
+    dramatiq_pg_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up check's connection becomes the pool's first (a connection fewer to wait for before
+    the first claim), and the pool takes the check as its own: the schema is read once per process.
+    (Before, the check's connection was closed and the pool's first connection checked the schema again.)"""
+    migrated(dramatiq_pg_url, schema)
+    checked: list[int] = []
+    check = migrations.check
+
+    def counted(conn: psycopg.Connection, *args: object, **kwargs: object) -> None:
+        checked.append(conn.info.backend_pid)
+        check(conn, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(migrations, "check", counted)
+    sender = PostgresBroker(dramatiq_pg_url, schema=schema)
+    dramatiq.actor(lambda: None, actor_name="go", broker=sender, queue_name="boot").send()
+    sender.close()
+    checked.clear()  # the sender's own pool checked it: another process, as far as the worker goes
+    broker = PostgresBroker(dramatiq_pg_url, schema=schema)
+    ran: list[int] = []
+    dramatiq.actor(lambda: ran.append(1), actor_name="go", broker=broker, queue_name="boot")
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
+    try:
+        worker.start()
+        broker.join("boot", timeout=10_000)
+        assert ran == [1]
+        assert len(checked) == 1, checked
+        with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+            alive = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [checked[0]]).fetchone()
+        assert alive == (1,), "the start-up check's connection was closed, not kept by the pool"
+    finally:
+        worker.stop()
+        broker.close()
+
+
+def test_a_seeded_connection_stands_for_a_new_one_only_if_made_alike_idle_and_fresh(
+    dramatiq_pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the check leaves for the pool is taken only by a connection to the same URL with the same
+    settings, while it is idle and within ``SEED_WAIT``; otherwise it is closed and a new one made."""
+    kwargs = connection_kwargs(5)
+
+    def seeded(url: str = dramatiq_pg_url) -> PacedConnection:
+        conn = PacedConnection.connect_once(url, **kwargs)
+        reconnect.seed(conn, url, kwargs)
+        return conn
+
+    made: list[psycopg.Connection] = []
+    try:
+        first = seeded()
+        made.append(PacedConnection.connect(dramatiq_pg_url, **kwargs))
+        assert made[-1] is first and not first.closed
+
+        other_settings = seeded()  # a pool without prepared statements (PgBouncer) wants its own
+        made.append(PacedConnection.connect(dramatiq_pg_url, **connection_kwargs(5, prepare=False)))
+        assert made[-1] is not other_settings and other_settings.closed
+
+        busy = seeded()
+        busy.execute("BEGIN")
+        made.append(PacedConnection.connect(dramatiq_pg_url, **kwargs))
+        assert made[-1] is not busy and busy.closed
+
+        monkeypatch.setattr(reconnect, "SEED_WAIT", 0.0)
+        late = seeded()
+        time.sleep(0.01)
+        made.append(PacedConnection.connect(dramatiq_pg_url, **kwargs))
+        assert made[-1] is not late and late.closed
+        monkeypatch.undo()
+
+        elsewhere = seeded(make_conninfo(dramatiq_pg_url, application_name="another"))
+        made.append(elsewhere)
+        made.append(PacedConnection.connect(dramatiq_pg_url, **kwargs))
+        assert made[-1] is not elsewhere and not elsewhere.closed
+    finally:
+        for conn in made:
+            conn.close()
+        reconnect._seeds.clear()
 
 
 MULTI_HOST = (

@@ -223,3 +223,17 @@ def test_cancelled_deliveries_held_here_are_running_or_never_started() -> None:
     assert not leases.start("waits", "t-waits")  # cancelled before it started: never starts
     leases.release("runs", "t-runs")
     assert leases.cancelled() == ({}, {"waits": "t-waits"})
+
+
+@pytest.mark.parametrize("schema", ["dramatiq", "Jobs_2026", "_x"])
+def test_every_statement_is_bound_as_psycopg_would_compose_it(schema: str) -> None:
+    """The templates are bound with ``str.format`` and a name quoted once (start-up cost); every one
+    must come out byte for byte as ``psycopg.sql`` composes it, braces and quoting included."""
+    from psycopg import sql
+
+    bound = sql_module.statements(schema)
+    ident = sql.Identifier(schema)
+    for name, text in sql_module._TEMPLATES.items():
+        composed = sql.SQL(" ".join(text.split())).format(schema=ident).as_string(None).encode()
+        assert getattr(bound, name) == composed, name
+    assert b'"Jobs_2026".message' in bound.claim or schema != "Jobs_2026"
