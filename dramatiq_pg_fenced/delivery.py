@@ -141,6 +141,16 @@ class PostgresMessageProxy(MessageProxy):
     def __init__(self, message: Message, attempt: int, delivery: str) -> None:
         message.options["attempt"] = attempt
         super().__init__(message)
+        # The message's fields, as attributes: read through MessageProxy.__getattr__, each read first
+        # failed the normal lookup (about 26 reads per delivery in Dramatiq's worker and ours; 5-8% of
+        # the worker's CPU in a drain, profiled).  The message is frozen, and ``options`` is its dict.
+        self.queue_name = message.queue_name
+        self.actor_name = message.actor_name
+        self.message_id = message.message_id
+        self.message_timestamp = message.message_timestamp
+        self.args = message.args
+        self.kwargs = message.kwargs
+        self.options = message.options
         self.attempt = attempt
         self.delivery = delivery  #: the fence token of this delivery (unique, unlike the attempt)
         self.settled = False

@@ -134,6 +134,19 @@ def test_the_proxy_is_the_one_source_of_a_deliverys_attempt() -> None:
     assert attempt_of(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})) is None
 
 
+
+def test_a_delivery_reads_as_its_message() -> None:
+    """The message's fields are the proxy's own attributes (read without MessageProxy.__getattr__, a cost
+    of every delivery), the same values, and the same options dict: what a middleware writes there is
+    the message's."""
+    message = dramatiq.Message(queue_name="q", actor_name="a", args=(1,), kwargs={"k": 2}, options={"x": 1})
+    proxy = PostgresMessageProxy(message, 1, "t")
+    for field in ("queue_name", "actor_name", "message_id", "message_timestamp", "args", "kwargs", "options"):
+        assert getattr(proxy, field) == getattr(message, field) and field in vars(proxy), field
+    assert proxy.options is message.options
+    proxy.options["retries"] = 2
+    assert message.options["retries"] == 2 and proxy.asdict() == message.asdict() and proxy == message
+
 def test_metrics_are_named_after_prometheus_conventions() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
