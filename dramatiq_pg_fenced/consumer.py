@@ -17,6 +17,7 @@ and whenever rows may have gone back behind that point.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -43,6 +44,21 @@ from .leases import Leases
 from .outcomes import OutcomeWriter
 from .sql import Statements
 from .turns import Answered, Turns
+
+
+@functools.lru_cache(maxsize=1024)
+def with_limit(claim: bytes, limit: int) -> bytes:
+    """The claim *claim* taking at most *limit* rows, written into its text.
+
+    With a parameter there, the plan PostgreSQL keeps for a prepared claim
+    (its generic plan) counts on taking a tenth of the queue, so it never won
+    against a plan made for the call, and every claim was planned again: about
+    0.6 ms of the server per claim, 40% of its time in a drain (profiled with
+    ``pg_stat_statements.track_planning``).  With the number in the text, each
+    limit is its own prepared statement (at most the prefetch of them per
+    connection), whose generic plan is kept after its first runs.
+    """
+    return claim.replace(b"LIMIT %(limit)s", b"LIMIT %d" % int(limit), 1)
 
 
 class LostClaims:
@@ -434,7 +450,8 @@ class PostgresConsumer(Consumer):
             "took": self.answered.payload(self.queue_name) if self.answered is not None and self._others_listen() else None,
         }
         claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
-        rows = conn.execute(claim, params).fetchall()
+        # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
+        rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
         self.floor.claimed(start, rows, limit)
         return rows
 

@@ -416,14 +416,16 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
         conn.close()
         raise psycopg.OperationalError("connection made before its server was found to take no writes")
     now = time.monotonic()
-    if now - conn.checked_at > CHECK_IDLE or reports_read_only(conn):
+    read_only = reports_read_only(conn)
+    if now - conn.checked_at > CHECK_IDLE or read_only:
         try:
             conn.execute(b"")  # the reply carries the server's reported settings, a reload's included
         except psycopg.Error:
             conn.close()
             raise
+        read_only = reports_read_only(conn)
     conn.checked_at = now
-    if reports_read_only(conn):
+    if read_only:
         conn.server.unwritable("it reports itself read-only", conn.generation)
         conn.close()
         raise psycopg.OperationalError("connection to a server that takes no writes")

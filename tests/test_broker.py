@@ -295,6 +295,32 @@ def test_a_drained_queue_is_not_claimed_again_until_the_doorbell_rings(
     assert rounds == [[1]] * 4  # a consumer that claimed again after every short claim: [1, 0] each
 
 
+
+def test_a_claim_is_not_planned_again_at_every_call(dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str) -> None:
+    """A consumer's claim runs as a prepared statement whose plan PostgreSQL keeps (a generic plan):
+    with its LIMIT a parameter, the kept plan counted on taking a tenth of the queue, lost to a plan
+    made for the call every time, and every claim was planned again (0.6 ms of the server each, 40%
+    of its time in a drain).  Each limit now has its own statement; after a few custom plans the kept
+    one is used.  (Before: 0 generic plans, a custom plan per claim.)"""
+    broker = dramatiq_pg_broker_factory()
+    broker.declare_queue("q")
+    consumer = broker.consume("q", prefetch=8, timeout=100)
+    message = dramatiq.Message(queue_name="q", actor_name="nobody", args=(), kwargs={}, options={})
+    broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(5000)])  # a backlog
+    with psycopg.connect(dramatiq_pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(broker.schema)))
+        for _ in range(20):
+            assert len(consumer._claim_rows(conn, 8)) == 8
+        plans = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%SKIP LOCKED%%'"
+        ).fetchall()
+    consumer.close()
+    # One statement for the one limit, prepared at its first call (two: a claim from the head passes its
+    # place in line as text, not as a timestamp; see consumer.Floor).
+    assert plans and all(custom <= 5 for _, custom in plans), plans
+    assert sum(generic for generic, _ in plans) >= 12, plans
+
+
 def test_delayed_message_waits_in_the_table(broker: PostgresBroker) -> None:
     @dramatiq.actor
     def never_yet() -> None:
