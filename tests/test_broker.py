@@ -295,7 +295,6 @@ def test_a_drained_queue_is_not_claimed_again_until_the_doorbell_rings(
     assert rounds == [[1]] * 4  # a consumer that claimed again after every short claim: [1, 0] each
 
 
-
 def test_a_claim_is_not_planned_again_at_every_call(dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str) -> None:
     """A consumer's claim runs as a prepared statement whose plan PostgreSQL keeps (a generic plan):
     with its LIMIT a parameter, the kept plan counted on taking a tenth of the queue, lost to a plan
