@@ -45,8 +45,18 @@ from .outcomes import OutcomeWriter
 from .sql import Statements
 from .turns import Answered, Turns
 
+#: Claim limits up to this are written as they are; above it, rounded down to a power of two.
+EXACT_LIMITS = 16
 
-@functools.lru_cache(maxsize=1024)
+
+def claim_limit(room: int) -> int:
+    """How many rows to claim when there is room for *room*: all of it up to :data:`EXACT_LIMITS`,
+    else the largest power of two within it (the rest comes with the next claim), so that a process
+    prepares a few dozen claims at most (see :func:`with_limit`), whatever its prefetch."""
+    return room if room <= EXACT_LIMITS else 1 << (room.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=256)
 def with_limit(claim: bytes, limit: int) -> bytes:
     """The claim *claim* taking at most *limit* rows, written into its text.
 
@@ -55,8 +65,9 @@ def with_limit(claim: bytes, limit: int) -> bytes:
     against a plan made for the call, and every claim was planned again: about
     0.6 ms of the server per claim, 40% of its time in a drain (profiled with
     ``pg_stat_statements.track_planning``).  With the number in the text, each
-    limit is its own prepared statement (at most the prefetch of them per
-    connection), whose generic plan is kept after its first runs.
+    limit is its own prepared statement, whose generic plan is kept after its
+    first runs; :func:`claim_limit` keeps them few (psycopg keeps 100 prepared
+    statements per connection, and one it drops must be prepared again).
     """
     return claim.replace(b"LIMIT %(limit)s", b"LIMIT %d" % int(limit), 1)
 
@@ -346,7 +357,7 @@ class PostgresConsumer(Consumer):
         hands one over as soon as it has it).  Dramatiq restarts a consumer
         that raises only after 3 s, and logs each time: that is for other errors.
         """
-        limit = self.leases.capacity(self.queue_name, self.prefetch)
+        limit = claim_limit(self.leases.capacity(self.queue_name, self.prefetch))
         if limit <= 0:
             return
         # Until this claim says otherwise (a short one sets them again), the next claim comes when there is

@@ -42,7 +42,17 @@ from .errors import (
     unwritable,
 )
 from .interrupt import shielded
-from .reconnect import RETRY_INTERVAL, PacedConnection, PacedPool, Server, check_readable, seed, server_for, where
+from .reconnect import (
+    RETRY_INTERVAL,
+    PacedConnection,
+    PacedPool,
+    Server,
+    check_readable,
+    seed,
+    server_for,
+    unseed,
+    where,
+)
 
 T = TypeVar("T")
 
@@ -373,11 +383,17 @@ class Database:
         connection would check the schema again).  A schema dropped afterwards is found by the first
         statement that misses it (:meth:`check_again`).  A pool made already, or given, does not take
         *conn*: it is closed."""
-        if self.given_pool is None and not self.started:
-            seed(conn, self.url, kwargs)
-        else:
+        if self.given_pool is not None or self.started:
             conn.close()
-        self._here().schema_checked = True
+            self._here().schema_checked = True
+            return
+        seed(conn, self.url, kwargs)
+        try:
+            local = self._here()
+        except BaseException:
+            unseed(self.url)
+            raise
+        local.schema_checked = True
 
     def connect(self) -> psycopg.Connection:
         """A connection of its own (not pooled), paced like the pool's while the server is away.

@@ -382,6 +382,14 @@ def seed(conn: PacedConnection, conninfo: str, kwargs: dict[str, Any]) -> None:
         old[0].close()
 
 
+def unseed(conninfo: str) -> None:
+    """Close what :func:`seed` left for *conninfo* in this process, if it is still there."""
+    with _seeds_lock:
+        found = _seeds.pop((os.getpid(), conninfo), None)
+    if found is not None:
+        found[0].close()
+
+
 def _take_seed(conninfo: str, kwargs: dict[str, Any], server: Server) -> PacedConnection | None:
     """The connection :func:`seed` left for *conninfo*, if it still stands for a new one made with *kwargs*."""
     if not _seeds:
@@ -499,5 +507,6 @@ __all__ = [
     "seed",
     "server_for",
     "tcp_defaults",
+    "unseed",
     "where",
 ]

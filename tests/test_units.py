@@ -134,7 +134,6 @@ def test_the_proxy_is_the_one_source_of_a_deliverys_attempt() -> None:
     assert attempt_of(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})) is None
 
 
-
 def test_a_delivery_reads_as_its_message() -> None:
     """The message's fields are the proxy's own attributes (read without MessageProxy.__getattr__, a cost
     of every delivery), the same values, and the same options dict: what a middleware writes there is
@@ -146,6 +145,7 @@ def test_a_delivery_reads_as_its_message() -> None:
     assert proxy.options is message.options
     proxy.options["retries"] = 2
     assert message.options["retries"] == 2 and proxy.asdict() == message.asdict() and proxy == message
+
 
 def test_metrics_are_named_after_prometheus_conventions() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
@@ -250,3 +250,14 @@ def test_every_statement_is_bound_as_psycopg_would_compose_it(schema: str) -> No
         composed = sql.SQL(" ".join(text.split())).format(schema=ident).as_string(None).encode()
         assert getattr(bound, name) == composed, name
     assert b'"Jobs_2026".message' in bound.claim or schema != "Jobs_2026"
+
+
+def test_a_claim_takes_all_the_room_up_to_sixteen_then_a_power_of_two_within_it() -> None:
+    """Each claim limit is a statement of its own (prepared, its plan kept): a few dozen at most."""
+    from dramatiq_pg_fenced.consumer import EXACT_LIMITS, claim_limit, with_limit
+
+    assert [claim_limit(n) for n in (0, 1, 7, 16, 17, 31, 32, 100, 65535)] == [0, 1, 7, 16, 16, 16, 32, 64, 32768]
+    assert all(claim_limit(n) <= n for n in range(1, 70_000))
+    assert len({claim_limit(n) for n in range(1, 70_000)}) == EXACT_LIMITS + 12
+    claim = statements("dramatiq").claim
+    assert b"LIMIT 7 FOR UPDATE SKIP LOCKED" in with_limit(claim, 7) and b"%(limit)s - 1" in with_limit(claim, 7)
