@@ -53,7 +53,7 @@ from .outcomes import retry_outcome
 from .parts import DeliveryMethods, ProcessParts
 from .schedules import Schedules
 from .schedules import overview as schedule_overview
-from .sends import SendMethods
+from .sends import SendMethods, SendsOfThisThread
 from .sql import check_queue, check_schema, statements
 from .unique import UniqueMessages
 
@@ -186,7 +186,7 @@ class PostgresBroker(
         self._parts_lock = threading.Lock()
         self._parts: ProcessParts | None = None
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
-        self._local = threading.local()  # per thread: an open batch() or transaction()
+        self._local = SendsOfThisThread()  # per thread: an open batch() or transaction()
         self._checked_in: int | None = None  # the process whose start-up check passed
         self.add_middleware(UniqueMessages())  # declares the unique_key and unique_until actor options
         self.add_middleware(FencedDelivery())
@@ -385,7 +385,7 @@ class PostgresBroker(
                 return cast(Message, message)  # not re-queued: no after_enqueue
         elif (tied := delivery.tied_sends()) is not None:
             tied.append(self.row(message, delay))  # written with its outcome (with_ack: its ack), if that applies
-        elif (batch := getattr(self._local, "batch", None)) is not None:
+        elif (batch := self._local.batch) is not None:
             batch.append((message, delay))  # written, and emit_after sent, when the block ends
             return message
         else:

@@ -205,7 +205,13 @@ def attempt_of(message: Any) -> int | None:
     return int(attempt) if attempt is not None else None
 
 
-_pending = threading.local()  # per worker thread: a write that waits for the delivery's ack
+class _Pending(threading.local):
+    """Per worker thread: a write that waits for the delivery's ack (none, by default)."""
+
+    write: Callable[[], None] | None = None
+
+
+_pending = _Pending()
 
 
 def defer_pending(write: Callable[[], None]) -> None:
@@ -220,19 +226,28 @@ def write_pending() -> None:
     done": enqueueing a follow-up message, or counting down a group's
     barrier.  If the database is away, the ack still carries the result.
     """
-    write = getattr(_pending, "write", None)
+    write = _pending.write
     if write is not None:
         _pending.write = None
         write()
 
 
 # -- the delivery running on this thread -----------------------------------------------
-_running = threading.local()
-
-
 #: What a delivery's sends wait for (``_running.deferring``): nothing (sent at once), any outcome (the
 #: middleware's, after the actor: the next pipeline step, callbacks), or an ack (``with_ack()``).
 AT_ONCE, OUTCOME, ACK = "", "outcome", "ack"
+
+
+class _Running(threading.local):
+    """This thread's delivery.  The class holds the defaults a thread that never ran one reads (every
+    ``send()`` asks): a ``getattr`` with a default on a plain ``threading.local`` raised and caught
+    an ``AttributeError`` each time."""
+
+    delivery: PostgresMessageProxy | None = None
+    deferring: str = AT_ONCE
+
+
+_running = _Running()
 
 
 def start(delivery: PostgresMessageProxy | None) -> None:
@@ -243,7 +258,7 @@ def start(delivery: PostgresMessageProxy | None) -> None:
 
 def running() -> PostgresMessageProxy | None:
     """The delivery this worker thread runs, if it is one of ours."""
-    return getattr(_running, "delivery", None)
+    return _running.delivery
 
 
 def defer_effects() -> None:
@@ -259,9 +274,7 @@ def deferring() -> PostgresMessageProxy | None:
     :meth:`PostgresBroker.with_ack`; the actor body's own sends are enqueued
     at once.
     """
-    delivery: PostgresMessageProxy | None = getattr(_running, "delivery", None)
-    until: str = getattr(_running, "deferring", AT_ONCE)
-    return delivery if until != AT_ONCE else None
+    return _running.delivery if _running.deferring != AT_ONCE else None
 
 
 def tied_sends() -> list[Row] | None:
@@ -281,7 +294,7 @@ def tied_sends() -> list[Row] | None:
 def deferred(until: str = ACK) -> Iterator[PostgresMessageProxy | None]:
     """Tie this thread's sends to its running delivery inside the block: to its ack, or (*until*
     ``OUTCOME``) to any outcome; with ``AT_ONCE``, untie them (an explicit transaction inside)."""
-    before = getattr(_running, "deferring", AT_ONCE)
+    before = _running.deferring
     _running.deferring = until
     try:
         yield running()

@@ -94,7 +94,15 @@ class Running:
     wake: threading.Event = field(default_factory=threading.Event)  #: set on cancel: ends a sleep() at once
 
 
-_here = threading.local()  # per worker thread: the Running entry of the body it runs, if any
+class _Here(threading.local):
+    """Per worker thread: the Running entry of the body it runs, if any (the class holds the default
+    every other thread reads: no ``getattr`` with a default, which raised and caught an AttributeError
+    at every checkout of a pooled connection)."""
+
+    entry: Running | None = None
+
+
+_here = _Here()
 
 
 @contextmanager
@@ -107,7 +115,7 @@ def shielded() -> Iterator[None]:
     read from an actor); wrap your own pools and clients in it.  Outside an
     interruptible actor it does nothing.
     """
-    entry: Running | None = getattr(_here, "entry", None)
+    entry = _here.entry
     if entry is None:
         yield
         return
@@ -132,7 +140,7 @@ def sleep(seconds: float) -> None:
     waits on an event the cancel sets, so ``MessageCancelled`` is raised
     within milliseconds however long the sleep.  Elsewhere it is ``time.sleep``.
     """
-    entry: Running | None = getattr(_here, "entry", None)
+    entry = _here.entry
     if entry is None:
         time.sleep(seconds)
     else:

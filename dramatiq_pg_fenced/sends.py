@@ -38,10 +38,20 @@ from .errors import NestedSendError
 from .sql import Statements
 
 
+class SendsOfThisThread(threading.local):
+    """Per thread: an open ``batch()`` (its list) and ``transaction()`` (the caller's connection and
+    the block's name).  The class holds the defaults (every ``send()`` reads them: a ``getattr`` with
+    a default on a plain ``threading.local`` raised and caught an AttributeError each time)."""
+
+    batch: list[tuple[Message, int | None]] | None = None
+    conn: psycopg.Connection | None = None
+    block: str = ""
+
+
 class SendMethods:
     """``enqueue_many``, ``batch``, ``transaction`` and ``with_ack`` (a mixin of :class:`~.broker.PostgresBroker`)."""
 
-    _local: threading.local  # per thread: an open batch() (its list) and transaction() (the caller's conn)
+    _local: SendsOfThisThread
     database: Database
     statements: Statements
     enqueuer: Enqueuer
@@ -73,7 +83,7 @@ class SendMethods:
         ids = None
         if (tied := delivery.tied_sends()) is not None:
             tied.extend(self.row(m, delay) for m in messages)  # written with its outcome (with_ack: its ack)
-        elif (batch := getattr(self._local, "batch", None)) is not None:
+        elif (batch := self._local.batch) is not None:
             batch.extend((m, delay) for m in messages)  # written, and emit_after sent, when the block ends
             return messages
         else:
@@ -92,7 +102,7 @@ class SendMethods:
         ``with broker.batch(): group(...).run()`` enqueues a whole group at
         once.  If the block raises, nothing is enqueued.
         """
-        if getattr(self._local, "batch", None) is not None:
+        if self._local.batch is not None:
             yield  # nested: the outer block writes
             return
         items: list[tuple[Message, int | None]] = []
@@ -121,9 +131,9 @@ class SendMethods:
         *block*: what the caller's code opened (``fenced_transaction()``...), for that error's message.
         """
         previous = (
-            getattr(self._local, "conn", None),
-            getattr(self._local, "batch", None),
-            getattr(self._local, "block", ""),
+            self._local.conn,
+            self._local.batch,
+            self._local.block,
         )
         self._local.conn, self._local.batch, self._local.block = conn, None, block or "broker.transaction(conn)"
         try:
@@ -136,7 +146,7 @@ class SendMethods:
         """Write *items*; ``None``, or with unique keys the id each send stands for (see Enqueuer.write)."""
         if not items:
             return None
-        caller_conn = getattr(self._local, "conn", None)
+        caller_conn = self._local.conn
         if caller_conn is None and len(items) > CHUNK:
             # Encoded chunk by chunk while the server inserts the previous one, in one transaction.
             return self.database.run(lambda conn: self.enqueuer.write_messages(conn, items))
@@ -165,7 +175,7 @@ class SendMethods:
         sends would be written with the ack whether the caller's transaction
         commits or not (:class:`~.errors.NestedSendError`).
         """
-        if getattr(self._local, "conn", None) is not None:
+        if self._local.conn is not None:
             block = self._local.block
             raise NestedSendError(
                 f"with_ack() inside {block}: its messages would be sent with the delivery's ack whether or not "
