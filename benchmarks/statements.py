@@ -1,0 +1,124 @@
+"""Where a drain's server time goes: every statement's calls, plans and time, per message.
+
+    python -m benchmarks.statements [--messages 10000] [--threads 8]
+
+Starts a PostgreSQL server of its own (``initdb``, fsync on) with
+``pg_stat_statements`` loaded and ``track_planning`` on, fills a queue with
+no-op messages, and drains it with the stock ``dramatiq`` CLI (one process).
+It prints the drain's rate, the worker's and the server's CPU per message
+(the server's by process: each connection, the WAL writer...), and per
+statement its calls, how many of them were planned, and its execution and
+planning time per message.  A statement planned at (nearly) every call is
+the first thing to look at: that is how the claim's re-planning was found
+(docs/performance.md, "What changed on 2026-12-05").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+from dramatiq.message import Message
+
+REPO = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_process(match: bytes) -> dict[str, float]:
+    """CPU seconds of every process whose command line holds *match*, by its title (``ps`` shows it)."""
+    seconds: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if match not in title:
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = f"{title.split(b' (')[0].decode(errors='replace')[:48]} [{pid}]"
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=8)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_faults import OwnedServer
+
+    from benchmarks import apps
+    from dramatiq_pg_fenced import PostgresBroker
+
+    server = OwnedServer(
+        fsync="on",
+        max_connections="100",
+        shared_preload_libraries="pg_stat_statements",
+        **{"pg_stat_statements.track": "all", "pg_stat_statements.track_planning": "on"},
+    )
+    try:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE bench")
+        url = server.url.rsplit("/", 1)[0] + "/bench"
+        broker = PostgresBroker(url, schema="bench")
+        broker.migrate()
+        message = Message(queue_name=apps.QUEUE, actor_name="noop", args=(), kwargs={}, options={})
+        broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(args.messages)])
+        broker.close()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("VACUUM ANALYZE bench.message")
+            conn.execute("SELECT pg_stat_statements_reset()")
+            env = {**os.environ, "BENCH_BROKER": "postgres", "BENCH_PG_URL": url, "BENCH_PG_SCHEMA": "bench"}
+            before, started = cpu_by_process(b"postgres"), time.monotonic()
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "dramatiq", "benchmarks.apps", "-p", "1", "-t", str(args.threads)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            left = "SELECT count(*) FROM bench.message WHERE state IN ('queued', 'running')"
+            try:
+                while conn.execute(left).fetchone() != (0,):
+                    time.sleep(0.1)
+                seconds = time.monotonic() - started
+                after = cpu_by_process(b"postgres")
+                workers = cpu_by_process(b"benchmarks.apps")
+            finally:
+                worker.terminate()
+                worker.wait(30)
+            rows = conn.execute(
+                """
+                SELECT calls, plans, total_exec_time, total_plan_time, left(regexp_replace(query, '\\s+', ' ', 'g'), 90)
+                  FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = 'bench')
+                 ORDER BY total_exec_time + total_plan_time DESC LIMIT 12
+                """
+            ).fetchall()
+        n = args.messages
+        server_cpu = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        print(
+            f"drain of {n:,} (1 process x {args.threads} threads, start-up included): {n / seconds:,.0f} msg/s; "
+            f"worker CPU {sum(workers.values()) / n * 1e6:.0f} µs/msg, server {sum(server_cpu.values()) / n * 1e6:.0f} µs/msg"
+        )
+        for name, cpu in sorted(server_cpu.items(), key=lambda kv: -kv[1]):
+            if cpu > 0:
+                print(f"  server {name:56s} {cpu / n * 1e6:6.1f} µs/msg")
+        print("calls   planned  exec µs/msg  plan µs/msg  statement (the polling count(*) is this script's)")
+        for calls, plans, executing, planning, text in rows:
+            print(f"{calls:6d} {plans:8d} {executing / n * 1000:12.1f} {planning / n * 1000:12.1f}  {text}")
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
