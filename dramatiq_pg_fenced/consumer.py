@@ -394,9 +394,8 @@ class PostgresConsumer(Consumer):
                 if tries == 2 or isinstance(e, PoolTimeout):
                     return
         rows.sort(key=lambda r: (r[4], r[5], r[6]))  # priority, due time, enqueue order
-        for message_id, attempt, token, payload, *_ in rows:
-            message_id, delivery = str(message_id), str(token)
-            self.leases.hold(self.queue_name, message_id, attempt, delivery)
+        for message_id, attempt, token, payload, *_ in rows:  # ids as text (sql.py)
+            self.leases.hold(self.queue_name, message_id, attempt, token)
             try:
                 message = Message.decode(bytes(payload))
             except DecodeError as e:
@@ -406,13 +405,13 @@ class PostgresConsumer(Consumer):
                         Write.NACK,
                         message_id,
                         attempt,
-                        delivery,
+                        token,
                         error=f"undecodable payload: {e}",
                         queue_name=self.queue_name,
                     )
                 )
                 continue
-            self.buffer.append(PostgresMessageProxy(message, attempt, delivery))
+            self.buffer.append(PostgresMessageProxy(message, attempt, token))
 
     def _set_quiet(self, now: float) -> None:
         """No claim until this process's next idle poll of the queue: ``poll_interval`` from now, or,

@@ -383,15 +383,14 @@ class Database:
         connection would check the schema again).  A schema dropped afterwards is found by the first
         statement that misses it (:meth:`check_again`).  A pool made already, or given, does not take
         *conn*: it is closed."""
-        if self.given_pool is not None or self.started:
+        if self.given_pool is None and not self.started:
+            seed(conn, self.url, kwargs)
+        else:
             conn.close()
-            self._here().schema_checked = True
-            return
-        seed(conn, self.url, kwargs)
         try:
             local = self._here()
         except BaseException:
-            unseed(self.url)
+            unseed(self.url)  # nothing to take it
             raise
         local.schema_checked = True
 

@@ -302,7 +302,7 @@ class StartGate:
                 )
             except ConnectionClosed:
                 return True  # cannot tell: run it (at-least-once); its outcome is fenced either way
-            found = {(str(mid), str(token)) for mid, token in rows}
+            found = {(mid, token) for mid, token in rows}  # text: still_held_many
             self._read_at = {key: began for key in found}  # a delivery that started or was dropped is forgotten here
             # The others found gone must not start either: lost now, they need no read of their own.
             self.leases.mark_lost(waiting, {mid for mid, _ in found})

@@ -385,12 +385,12 @@ class OutcomeWriter:
                 # Committed by their fenced transaction: their effects apply if their row is still here.
                 done = {"ids": [o.message_id for o in committed], "deliveries": [o.delivery for o in committed]}
                 rows = conn.execute(self._committed_statement(relaxed=False), {**done, "writer": self.writer}).fetchall()
-                applied.update((str(r[0]), str(r[1])) for r in rows)
+                applied.update((r[0], r[1]) for r in rows)
             if acks := [o for o in by_kind[Write.ACK] if not o.committed]:
                 ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
                 params: dict[str, Any] = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks]}
                 rows = conn.execute(ack, {**params, "writer": self.writer}).fetchall()
-                applied.update((str(r[0]), str(r[1])) for r in rows)
+                applied.update((r[0], r[1]) for r in rows)
             if nacks := by_kind[Write.NACK]:
                 params = {
                     "ids": [o.message_id for o in nacks],
@@ -398,7 +398,7 @@ class OutcomeWriter:
                     "errors": [o.error for o in nacks],
                 }
                 rows = conn.execute(stmts.nack, {**params, "writer": self.writer}).fetchall()
-                applied.update((str(r[0]), str(r[1])) for r in rows)
+                applied.update((r[0], r[1]) for r in rows)
             if retries := by_kind[Write.RETRY]:
                 rows = conn.execute(
                     stmts.retry,
@@ -411,7 +411,7 @@ class OutcomeWriter:
                         "writer": self.writer,
                     },
                 ).fetchall()
-                applied.update((str(r[0]), str(r[1])) for r in rows)
+                applied.update((r[0], r[1]) for r in rows)
                 wakes = retry_wakes([o for o in retries if (o.message_id, o.delivery) in applied])
                 if wakes and self.settings.listen:
                     conn.execute(stmts.notify, [self.settings.channel, wakes])
@@ -450,7 +450,7 @@ class OutcomeWriter:
         written: the message is done) and they are not stale writes.  Returns them."""
         params = {"ids": [o.message_id for o in failed], "deliveries": [o.delivery for o in failed]}
         rows = conn.execute(self._committed_statement(relaxed=False), {**params, "writer": self.writer}).fetchall()
-        done = {(str(r[0]), str(r[1])) for r in rows}
+        done = {(r[0], r[1]) for r in rows}
         found = [o for o in failed if (o.message_id, o.delivery) in done]
         for o in found:
             self.logger.info(
@@ -469,7 +469,7 @@ class OutcomeWriter:
         ack = self._ack_statement(relaxed=not self.settings.durable_outcomes)
         params = {"ids": [o.message_id for o in acks], "deliveries": [o.delivery for o in acks], "writer": self.writer}
         with self.database.connection(raw=True) as conn:
-            applied = {(str(r[0]), str(r[1])) for r in conn.execute(ack, params).fetchall()}
+            applied = {(r[0], r[1]) for r in conn.execute(ack, params).fetchall()}
             misses: list[Miss] = [
                 (o.kind, o.message_id, o.attempt, o.delivery) for o in acks if (o.message_id, o.delivery) not in applied
             ]

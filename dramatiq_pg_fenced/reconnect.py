@@ -328,13 +328,10 @@ class PacedConnection(psycopg.Connection[Any]):
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
         server = server_for(conninfo)
-        seed = _take_seed(conninfo, kwargs, server)
-        if seed is not None:
-            return seed
-        generation = server.generation
-        kwargs = {**tcp_defaults(conninfo), **kwargs}
-        conn = server.connect(lambda: super(PacedConnection, cls).connect(conninfo, **kwargs))
-        conn.server, conn.generation, conn.checked_at = server, generation, time.monotonic()
+        seeded = _take_seed(conninfo, kwargs, server)
+        if seeded is not None:
+            return seeded
+        conn = server.connect(lambda: cls.connect_once(conninfo, **kwargs))
         if not reports_read_only(conn):
             server.writable()
         return conn
@@ -346,8 +343,9 @@ class PacedConnection(psycopg.Connection[Any]):
 
     @classmethod
     def connect_once(cls, conninfo: str = "", **kwargs: Any) -> Any:
-        """One attempt, not through the :class:`Server` (not paced, no outage said): the start-up
-        check's connection (startup.py), which may then become a pool's first (:func:`seed`)."""
+        """One attempt, not through the :class:`Server` (not paced, no outage said): what :meth:`connect`
+        paces, and the start-up check's connection (startup.py), which may become a pool's first
+        (:func:`seed`)."""
         server = server_for(conninfo)
         generation = server.generation
         conn = super().connect(conninfo, **{**tcp_defaults(conninfo), **kwargs})
@@ -363,9 +361,12 @@ _seeds: dict[tuple[int, str], tuple[PacedConnection, dict[str, Any], float]] = {
 _seeds_lock = threading.Lock()
 
 
+_DEFAULT = object()  # a setting not given: psycopg's default, which None is not (prepare_threshold)
+
+
 def _settings(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Of *kwargs*, what a connection keeps from them (an absent one stands for psycopg's default, not None)."""
-    return {k: kwargs.get(k, "default") for k in _SEED_KEYS}
+    """Of *kwargs*, what a connection keeps from them."""
+    return {k: kwargs.get(k, _DEFAULT) for k in _SEED_KEYS}
 
 
 def seed(conn: PacedConnection, conninfo: str, kwargs: dict[str, Any]) -> None:
@@ -374,12 +375,9 @@ def seed(conn: PacedConnection, conninfo: str, kwargs: dict[str, Any]) -> None:
     start-up check hands its connection to the pool it makes next, one connection fewer to wait for
     before the first claim (each took 6-10 ms on the 2-core VM, and a new server process is slower
     at its first statements).  A seed not taken within :data:`SEED_WAIT` seconds is closed."""
-    key = (os.getpid(), conninfo)
+    unseed(conninfo)
     with _seeds_lock:
-        old = _seeds.pop(key, None)
-        _seeds[key] = (conn, _settings(kwargs), time.monotonic())
-    if old is not None:
-        old[0].close()
+        _seeds[(os.getpid(), conninfo)] = (conn, _settings(kwargs), time.monotonic())
 
 
 def unseed(conninfo: str) -> None:

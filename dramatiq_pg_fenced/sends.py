@@ -130,11 +130,7 @@ class SendMethods:
 
         *block*: what the caller's code opened (``fenced_transaction()``...), for that error's message.
         """
-        previous = (
-            self._local.conn,
-            self._local.batch,
-            self._local.block,
-        )
+        previous = self._local.conn, self._local.batch, self._local.block
         self._local.conn, self._local.batch, self._local.block = conn, None, block or "broker.transaction(conn)"
         try:
             with delivery.deferred(delivery.AT_ONCE):

@@ -285,6 +285,32 @@ def test_a_seeded_connection_stands_for_a_new_one_only_if_made_alike_idle_and_fr
         reconnect._seeds.clear()
 
 
+def test_a_forked_child_neither_takes_nor_closes_its_parents_seed(dramatiq_pg_url: str) -> None:
+    """A seed shares its socket with a child forked before the pool took it: the child makes a
+    connection of its own, and leaves the seed alone (closing it there would end the parent's session)."""
+    kwargs = connection_kwargs(5)
+    seeded = PacedConnection.connect_once(dramatiq_pg_url, **kwargs)
+    reconnect.seed(seeded, dramatiq_pg_url, kwargs)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if it got a connection of its own and left the seed
+            code = 1
+            try:
+                with PacedConnection.connect(dramatiq_pg_url, **kwargs) as own:
+                    reconnect.seed(PacedConnection.connect_once(dramatiq_pg_url, **kwargs), dramatiq_pg_url, kwargs)
+                    reconnect.unseed(dramatiq_pg_url)  # its own seed: closed; the parent's: untouched
+                    code = 0 if own is not seeded and own.execute("SELECT 1").fetchone() == (1,) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        taken = PacedConnection.connect(dramatiq_pg_url, **kwargs)
+        assert taken is seeded and taken.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        seeded.close()
+        reconnect._seeds.clear()
+
+
 MULTI_HOST = (
     'connection failed: connection to server at "db2", port 5432 failed: FATAL:  role "app" does not exist\n'
     "Multiple connection attempts failed. All failures were:\n"
