@@ -115,8 +115,11 @@ class Fence:
                     lambda c: c.execute(self._methods.statements.committed_seen, [token]).fetchone()
                 )
             )
-        except Exception:
-            return False  # cannot tell: the error stands, and a retry of this delivery is fenced out if it did
+        except Exception as e:  # cannot tell: the error stands, and a retry of this delivery is fenced out if it did
+            self._methods.logger.warning(
+                "Could not read whether message %s's fenced transaction committed: %s", self.message.message_id, e
+            )
+            return False
 
 
 class FencedTransactions:

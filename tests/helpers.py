@@ -49,7 +49,8 @@ def clear_of_idle_polls(broker: PostgresBroker, queue_name: str, every: float, s
 
     Idle polls fall on a wall-clock grid (turns.py: every *every* seconds, at a fixed offset per
     queue), however long the interval; a test that counts claims and runs across a point of it
-    sees the poll's claim too (a test with an hourly poll failed at every half hour)."""
+    sees the poll's claim too (a test with an hourly poll failed at every half hour).  A consumer that
+    only runs when the test asks it for a message owes that poll afterwards: ask it once before counting."""
     wait = broker.parts.turns.until_grid(f"poll {queue_name}", every, group=queue_name)
     if wait < seconds:
         time.sleep(wait + 0.5)

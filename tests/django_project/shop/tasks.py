@@ -66,6 +66,10 @@ def count_in_a_fenced_atomic(order_id: int, how: str = "") -> None:
     except DeliveryLost:
         seen.append(("lost", attempt))
         raise
+    except Exception as e:
+        if how == "broken_commit":  # not expected: what it was shows in the scenario's assertion
+            seen.append(("raised", f"{type(e).__module__}.{type(e).__name__}: {e}"))
+        raise
     if how == "broken_commit":
         seen.append(("after", attempt))
     if how == "hold":  # the block's commit was the ack: the message is done before the actor returns
