@@ -439,7 +439,8 @@ class PostgresBroker(
         self.database.run(lambda conn: conn.execute(self.statements.flush, [queue_names]))
 
     def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool = True, interval: int = 20) -> None:
-        """Wait until the queue has nothing queued, delayed or running.
+        """Wait until the queue has nothing queued, delayed or running (an actor after its fenced
+        transaction committed included).
 
         Raises:
           QueueJoinTimeout: after ``timeout`` milliseconds.

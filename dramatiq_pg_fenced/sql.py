@@ -482,9 +482,10 @@ _TEMPLATES = {
           FROM {{schema}}.message AS m WHERE message_id = %s
     """,
     "flush": "DELETE FROM {schema}.message WHERE queue_name = ANY(%s::text[])",
+    # 'committed': a fenced transaction's row, whose actor may still be running after its block.
     "pending": """
         SELECT count(*) FROM {schema}.message
-         WHERE queue_name = %s AND state IN ('queued', 'running')
+         WHERE queue_name = %s AND state IN ('queued', 'running', 'committed')
     """,
     "dead_letters": """
         SELECT message_id, last_error FROM {schema}.message

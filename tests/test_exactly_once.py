@@ -405,3 +405,33 @@ def test_a_cancel_of_a_message_inside_its_block_answers_at_once_and_changes_noth
     assert counts(broker) == {"k": 1}
     assert left(broker) == []
     assert broker.cancel(message.message_id) is CancelOutcome.NOT_FOUND
+
+
+def test_join_waits_for_an_actor_still_running_after_its_block_committed(dramatiq_pg_broker_factory: Factory) -> None:
+    """The block's commit moves the row to ``committed``; the actor is still running (its code after
+    the block, a broken reply to the commit being read again).  ``join()`` waits for it, as for any
+    running message: it returned at the commit, and a Django scenario asserted on what the actor
+    had not yet done (CI)."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    after, done = threading.Event(), threading.Event()
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> None:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        after.wait(30)  # the actor goes on after its block
+        done.set()
+
+    with running_worker(broker, threads=1):
+        pay.send("k")
+        wait_for(lambda: counts(broker) == {"k": 1}, 30, "the block to commit")
+        joined = threading.Event()
+        joiner = threading.Thread(target=lambda: (broker.join(pay.queue_name, timeout=30_000), joined.set()))
+        joiner.start()
+        try:
+            assert not joined.wait(1.0), "join() returned while the actor was still running"
+        finally:
+            after.set()
+        joiner.join(30)
+        assert joined.is_set() and done.is_set()
