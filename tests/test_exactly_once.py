@@ -16,6 +16,7 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
+from dramatiq.errors import QueueJoinTimeout
 from dramatiq.results import Results
 from helpers import Factory, query, running_worker, wait_for
 
@@ -440,3 +441,27 @@ def test_join_waits_for_an_actor_still_running_after_its_block_committed(dramati
             after.set()
         joiner.join(30)
         assert joined.is_set() and done.is_set()
+
+
+def test_join_waits_for_a_dead_workers_committed_row_until_maintenance_finishes_it(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A committed row whose worker died is not a finished message until maintenance finishes it
+    (ten leases after its lease): ``join()`` times out on it meanwhile, and returns once it is done."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=30)
+    broker.declare_queue("q")
+    broker.enqueue(dramatiq.Message(queue_name="q", actor_name="nobody", args=(), kwargs={}, options={}))
+    consumer = broker.consume("q", prefetch=1, timeout=1000)
+    try:
+        assert next(consumer) is not None
+    finally:
+        consumer.close()  # its writer gone: as a worker that died after its block committed
+    # Its lease ran out, but not ten leases ago: no rescue finishes it yet (this process's own included).
+    query(broker, "UPDATE {schema}.message SET state = 'committed', lease_expires_at = now() - interval '1 minute'")
+    with pytest.raises(QueueJoinTimeout):
+        broker.join("q", timeout=300)
+    query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '2 hours'")
+    monkeypatch.setattr(broker.parts.maintenance, "_last_finish", -math.inf)
+    assert broker.parts.maintenance.rescue() == 0  # finished, not taken back
+    broker.join("q", timeout=5_000)
+    assert left(broker) == []
