@@ -384,8 +384,8 @@ class LeaseKeeper(Periodic):
             self._conn = self.database.connect()
         return self._conn
 
-    def stop(self) -> None:
-        super().stop()
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
         self._close()
 
     def _close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -62,7 +63,12 @@ class ProcessParts:
             self.leases, database, statements, settings, logger, on_cancelled=self.interrupter.cancelled
         )
         self.cancel_watch = CancelWatch(
-            self.interrupter, database, statements, settings, logger, hears=self.turns.hearing if settings.listen else None
+            self.interrupter,
+            database,
+            statements,
+            settings,
+            logger,
+            hears=self.turns.hearing if settings.listen else None,
         )
         self.gate = StartGate(self.leases, database, statements)
         #: This process's row in ``process`` (written only while a worker runs here).
@@ -76,12 +82,17 @@ class ProcessParts:
         self.scheduler = Scheduler(schedules, database, statements, settings, logger, row=row)
         self.consumers = 0  #: consumers made in this process (each gets an id of its own)
 
-    def close(self) -> None:
-        self.scheduler.stop()
-        self.writer.stop()
-        self.keeper.stop()
-        self.cancel_watch.stop()
-        self.maintenance.stop()
+    def close(self, timeout: float = 10.0) -> None:
+        """Write the pending outcomes (the keeper still extends their leases meanwhile), then end the
+        chores, waiting at most *timeout* seconds for the ticks under way (all at once, not in turn)."""
+        self.scheduler.halt()
+        self.writer.stop(timeout)
+        chores = (self.scheduler, self.keeper, self.cancel_watch, self.maintenance)
+        for chore in chores:
+            chore.halt()
+        deadline = time.monotonic() + timeout
+        for chore in chores:
+            chore.stop(max(deadline - time.monotonic(), 0.0))
 
 
 class DeliveryMethods:

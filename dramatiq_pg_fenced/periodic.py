@@ -37,8 +37,17 @@ class Periodic:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Ask the thread to end after its current tick, without waiting for it."""
         self._stopped.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread and wait (at most *timeout* seconds) for a tick under way: one that went on
+        after the broker closed its pool would open a new one, left to leak."""
+        self.halt()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def tick(self) -> None:
         raise NotImplementedError

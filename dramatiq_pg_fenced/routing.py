@@ -291,7 +291,10 @@ class RoutedBroker(SkipNoopHooks, Broker):
         with self._relays_lock:
             relays, self._relays = list(self._relays.values()), {}
         for relay in relays:
-            relay.stop()
+            relay.halt()
+        deadline = time.monotonic() + 10.0
+        for relay in relays:
+            relay.stop(max(deadline - time.monotonic(), 0.0))
         for shard in self.shards.values():
             shard.close()
 
@@ -654,9 +657,17 @@ class Relay:
     def alive(self) -> bool:
         return self.pid == os.getpid() and self._thread.is_alive()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Ask the thread to end after its current pass, without waiting for it."""
         self._stopped = True
         self._event.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread and wait (at most *timeout* seconds) for a pass under way, which would
+        otherwise go on on a closed database and open a pool of its own again."""
+        self.halt()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _purge(self) -> None:
         """Old ``relayed`` rows of this relay's database go (every :data:`RELAYED_PURGE_EVERY` seconds)."""

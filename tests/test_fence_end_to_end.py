@@ -432,6 +432,38 @@ def test_close_writes_pending_outcomes_builds_nothing_new_and_may_be_called_twic
     assert acked(other, sent.message_id)  # the pending ack was written
 
 
+def test_close_waits_for_a_background_chore_running_so_it_opens_no_pool_after_it(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chore (here maintenance) that was mid-tick when close() came must end before close returns:
+    if it reached for a connection after the pool closed, it would open a new pool, left to leak (CI
+    saw ``broker.started`` after close in the test above)."""
+    import threading
+    import time
+
+    from dramatiq_pg_fenced.maintenance import Maintenance
+
+    ticking, ticked = threading.Event(), threading.Event()
+    real_tick = Maintenance.tick
+
+    def slow_tick(self: Maintenance) -> None:
+        ticking.set()
+        time.sleep(0.5)  # close() comes meanwhile
+        try:
+            real_tick(self)
+        finally:
+            ticked.set()
+
+    monkeypatch.setattr(Maintenance, "tick", slow_tick)
+    broker = dramatiq_pg_broker_factory(rescue_interval=0.05)
+    broker.declare_queue("default")
+    broker.consume("default", prefetch=1, timeout=100)
+    assert ticking.wait(10), "maintenance never ticked"
+    broker.close()
+    assert ticked.is_set(), "close() returned while a chore was still running"
+    assert not broker.started  # the chore opened no pool after close
+
+
 # -- join as Dramatiq's StubBroker ------------------------------------------------------------------
 def test_join_raises_the_actors_exception_by_default(dramatiq_pg_broker_factory: Factory) -> None:
     from helpers import running_worker
