@@ -457,9 +457,15 @@ class PostgresConsumer(Consumer):
             "channel": self.settings.channel,
             # Taking rows and leaving the queue drained answers the rings others wait their turn for
             # (processes that listen to every ring: an older version's; turns.py).
-            "took": self.answered.payload(self.queue_name) if self.answered is not None and self._others_listen() else None,
+            "took": self.answered.payload(self.queue_name)
+            if self.answered is not None and self._others_listen()
+            else None,
         }
-        claim = self.statements.claim if self.settings.durable_outcomes else self.statements.claim_relaxed
+        st = self.statements
+        if params["took"] is None:  # the usual claim: one UPDATE
+            claim = st.claim if self.settings.durable_outcomes else st.claim_relaxed
+        else:
+            claim = st.claim_telling if self.settings.durable_outcomes else st.claim_telling_relaxed
         # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
         rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
         self.floor.claimed(start, rows, limit)
@@ -543,7 +549,9 @@ class PostgresConsumer(Consumer):
             if outcome.kind is Write.ACK:
                 outcome.follow_ups = [*outcome.follow_ups, *message.ack_sends]
             else:  # with_ack(): a retry or a dead letter is no ack
-                self.writer.stale.drop_unacked(outcome.kind, message.message_id, message.attempt, len(message.ack_sends))
+                self.writer.stale.drop_unacked(
+                    outcome.kind, message.message_id, message.attempt, len(message.ack_sends)
+                )
         message.pending_result = message.decided = None
         self.writer.submit(outcome)
 

@@ -87,13 +87,14 @@ def test_relaxed_variants_and_only_they_turn_synchronous_commit_off() -> None:
     s = statements("units")
     relaxed = b", (SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
     forced_on = sql_module._DURABLE.encode()  # a durable send's: on where a default set it off
-    for durable in ("enqueue", "enqueue_one", "enqueue_unique", "claim", "extend"):
-        without = getattr(s, f"{durable}_relaxed").replace(relaxed, b"")
+    alone = b" FROM " + relaxed[2:]  # a claim's FROM list is that alone
+    for durable in ("enqueue", "enqueue_one", "enqueue_unique", "claim", "claim_telling", "extend"):
+        without = getattr(s, f"{durable}_relaxed").replace(alone, b"").replace(relaxed, b"")
         assert b" ".join(without.split()) == b" ".join(getattr(s, durable).replace(forced_on, b"").split())
-        assert relaxed in getattr(s, f"{durable}_relaxed")
+        assert relaxed[2:] in getattr(s, f"{durable}_relaxed")
     for name in ("enqueue", "enqueue_one", "enqueue_unique"):
         assert forced_on in getattr(s, name) and b"'off', true" not in getattr(s, name)
-    for name in ("claim", "ack", "nack", "retry", "requeue", "extend", "rescue"):
+    for name in ("claim", "claim_telling", "ack", "nack", "retry", "requeue", "extend", "rescue"):
         assert b"synchronous_commit" not in getattr(s, name)
     assert s.begin_relaxed == b"BEGIN; SET LOCAL synchronous_commit = off"  # the writer's transactions
     assert b"unnest" in s.enqueue and b"unnest" not in s.enqueue_one
@@ -259,5 +260,8 @@ def test_a_claim_takes_all_the_room_up_to_sixteen_then_a_power_of_two_within_it(
     assert [claim_limit(n) for n in (0, 1, 7, 16, 17, 31, 32, 100, 65535)] == [0, 1, 7, 16, 16, 16, 32, 64, 32768]
     assert all(claim_limit(n) <= n for n in range(1, 70_000))
     assert len({claim_limit(n) for n in range(1, 70_000)}) == EXACT_LIMITS + 12
-    claim = statements("dramatiq").claim
-    assert b"LIMIT 7 FOR UPDATE SKIP LOCKED" in with_limit(claim, 7) and b"%(limit)s - 1" in with_limit(claim, 7)
+    for claim in (statements("dramatiq").claim, statements("dramatiq").claim_telling):
+        assert b"LIMIT 7 FOR UPDATE SKIP LOCKED" in with_limit(claim, 7) and b"LIMIT %(limit)s" not in with_limit(
+            claim, 7
+        )
+    assert b"%(limit)s - 1" in with_limit(statements("dramatiq").claim_telling, 7)  # "!took": the claim came back short

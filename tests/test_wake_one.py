@@ -67,7 +67,9 @@ class Consuming:
 
 
 @pytest.fixture
-def brokers(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> Iterator[Callable[[int], list[PostgresBroker]]]:
+def brokers(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+) -> Iterator[Callable[[int], list[PostgresBroker]]]:
     def make(count: int) -> list[PostgresBroker]:
         first = dramatiq_pg_broker_factory(poll_interval=3600, rescue_interval=3600)
         return [first] + [
@@ -183,6 +185,46 @@ def test_an_older_process_and_a_new_one_both_deliver(
             c.close()
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_claim_says_took_only_in_its_telling_form_and_only_when_it_took_rows_and_came_back_short(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], durable: bool
+) -> None:
+    """The usual claim is one UPDATE and notifies nothing; the form used while an older process
+    listens says ``!took`` in its own commit when it took rows and left the queue drained (short of
+    its limit), and not when it took none or a full limit (more may wait)."""
+    from dramatiq_pg_fenced.consumer import HEAD, with_limit
+
+    broker = dramatiq_pg_broker_factory(durable_outcomes=durable)
+    broker.declare_queue("q")
+    st = broker.statements
+    plain, telling = (st.claim, st.claim_telling) if durable else (st.claim_relaxed, st.claim_telling_relaxed)
+    channel = f"took_{os.getpid()}_{int(durable)}"
+    params = {
+        "queue": "q",
+        "lease": 30,
+        "consumer": "test",
+        "from_priority": HEAD[0],
+        "from_at": HEAD[1],
+        "from_seq": HEAD[2],
+        "channel": channel,
+        "took": "!took q test",
+    }
+    with psycopg.connect(broker.url, autocommit=True) as listener, psycopg.connect(broker.url, autocommit=True) as conn:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+        def claim(statement: bytes, limit: int) -> tuple[int, list[str]]:
+            rows = conn.execute(with_limit(statement, limit), {**params, "limit": limit}).fetchall()
+            return len(rows), [n.payload for n in listener.notifies(timeout=0.3)]
+
+        for n in range(5):
+            send(broker, "q", n)
+        assert claim(plain, 2) == (2, [])  # the usual claim: nothing told
+        assert claim(plain, 1) == (1, [])
+        assert claim(telling, 1) == (1, [])  # a full limit: more may wait
+        assert claim(telling, 4) == (1, ["!took q test"])  # short: the queue is drained for now
+        assert claim(telling, 4) == (0, [])  # nothing taken: nothing answered
+
+
 # -- real processes ------------------------------------------------------------
 def ledger(broker: PostgresBroker) -> Callable[[], dict[int, int]]:
     schema = sql.Identifier(broker.schema)
@@ -225,13 +267,17 @@ def test_a_stopped_listener_s_messages_are_delivered_by_the_others(
     stopped: int | None = None
     try:
         wait_for(lambda: door_holder(broker, DEFAULT) is not None, 30, "a worker process to hold the door")
-        broker.enqueue(dramatiq.Message(queue_name="default", actor_name="record_default", args=(0,), kwargs={}, options={}))
+        broker.enqueue(
+            dramatiq.Message(queue_name="default", actor_name="record_default", args=(0,), kwargs={}, options={})
+        )
         wait_for(lambda: 0 in read(), 30, "the first message to be delivered")
         stopped = door_holder(broker, DEFAULT)
         assert stopped is not None
         os.kill(stopped, signal.SIGSTOP)  # it would hear the next rings, and cannot answer them
         for n in range(1, 6):
-            message = dramatiq.Message(queue_name="default", actor_name="record_default", args=(n,), kwargs={}, options={})
+            message = dramatiq.Message(
+                queue_name="default", actor_name="record_default", args=(n,), kwargs={}, options={}
+            )
             broker.enqueue(message)
         wait_for(lambda: len(read()) == 6, 60, "the others to deliver what rang for the stopped one")
         assert stopped not in {read()[n] for n in range(1, 6)}
