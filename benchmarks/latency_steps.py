@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(sends: list[dict[str, float]], started: dict[float, float], marks: Marks) -> None:
-    """Each step's p50 and p90 in microseconds; the delivery's steps matched to each send by time."""
+    """Each step's p50, p90 and p99 in microseconds, and the steps of the slowest deliveries (where the
+    tail goes); the delivery's steps matched to each send by time."""
     for values in marks.values():
         values.sort()
 
@@ -203,13 +204,26 @@ def report(sends: list[dict[str, float]], started: dict[float, float], marks: Ma
         delivery_steps["send() called until the actor starts"].append((point["actor"] - point["sent"]) * 1e6)  # type: ignore[operator]
 
     def table(title: str, steps: dict[str, list[float]]) -> None:
-        print(f"\n| {title} | p50 us | p90 us | n |\n|---|---|---|---|")
+        print(f"\n| {title} | p50 us | p90 us | p99 us | n |\n|---|---|---|---|---|")
         for name, values in steps.items():
-            values.sort()
-            print(f"| {name} | {values[len(values) // 2]:.0f} | {values[int(len(values) * 0.9)]:.0f} | {len(values)} |")
+            values = sorted(values)
+            n = len(values)
+            print(f"| {name} | {values[n // 2]:.0f} | {values[int(n * 0.9)]:.0f} | {values[int(n * 0.99)]:.0f} | {n} |")
+
+    def slowest(title: str, steps: dict[str, list[float]], total: str) -> None:
+        """The tail: each step of the slowest 1% (at least 3) by *total*, slowest first (where p99 goes)."""
+        n = len(steps[total])
+        worst = sorted(range(n), key=lambda i: steps[total][i], reverse=True)[: max(3, n // 100)]
+        print(
+            f"\n| {title}: the slowest {len(worst)}, us | " + " | ".join(f"#{k + 1}" for k in range(len(worst))) + " |"
+        )
+        print("|---|" + "---|" * len(worst))
+        for name, values in steps.items():
+            print(f"| {name} | " + " | ".join(f"{values[i]:.0f}" for i in worst) + " |")
 
     table("the send", send_steps)
     table("the delivery", delivery_steps)
+    slowest("the delivery", delivery_steps, "send() called until the actor starts")
     print(f"\n{len(sends)} sends; {unmatched} not matched to one ring and one claim (left out of the delivery's steps)")
 
 
