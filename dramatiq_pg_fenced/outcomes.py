@@ -152,6 +152,14 @@ class OutcomeWriter:
     def submit(self, outcome: Outcome) -> None:
         self.leases.settle(outcome.message_id)
         with self._cond:
+            if self._stopped:  # an actor that finished after close(): its lease lapses, it runs again
+                self.logger.error(
+                    "The %s of message %s came after the broker closed: not written; its lease will lapse and "
+                    "the message be delivered again.",
+                    outcome.kind.value,
+                    outcome.message_id,
+                )
+                return
             self._pending.append(outcome)
             self._cond.notify_all()
 
@@ -167,6 +175,9 @@ class OutcomeWriter:
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Wait (at most *timeout* seconds) for what was submitted to be written, then stop: what is still
+        unwritten is given up (said), never tried after the broker closed its pool (a try would open a
+        new one).  Its leases lapse and its messages are delivered again."""
         self.flush(timeout)
         with self._cond:
             self._stopped = True
@@ -179,13 +190,11 @@ class OutcomeWriter:
             with self._cond:
                 while not self._pending and not batch and not self._parked_due() and not self._stopped:
                     self._cond.wait(self._parked_wait())
-                if self._stopped and not self._pending and not batch:
-                    if self._parked:
-                        self.logger.error(
-                            "Stopping with %d outcome(s) the database refused even as dead letters; their leases "
-                            "will lapse and the messages be delivered again (max_deliveries bounds how often).",
-                            len(self._parked),
-                        )
+                if self._stopped:
+                    self._give_up(len(self._pending) + len(batch))
+                    self._pending.clear()
+                    self._busy = False
+                    self._cond.notify_all()
                     return
                 batch.extend(self._pending)
                 self._pending.clear()
@@ -199,7 +208,8 @@ class OutcomeWriter:
             if again:
                 # After a lost connection the next try waits in the pool, which reconnects at a steady
                 # pace and hands the connection over at once (reconnect.py logs the outage itself).
-                time.sleep(min(backoff, RETRY_INTERVAL) if self._away else backoff)
+                with self._cond:  # stop() ends the pause: nothing is tried once it gave up waiting
+                    self._cond.wait_for(lambda: self._stopped, min(backoff, RETRY_INTERVAL) if self._away else backoff)
                 backoff = min(backoff * 2, self.MAX_BACKOFF)
                 batch = again
                 continue
@@ -208,6 +218,21 @@ class OutcomeWriter:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+    def _give_up(self, unwritten: int) -> None:
+        """Stopped: say what is left unwritten (called with the lock held; nothing is tried any more)."""
+        if unwritten:
+            self.logger.error(
+                "Stopping with %d outcome(s) that could not be written before the broker closed (the database "
+                "is away or slow); their leases will lapse and the messages be delivered again.",
+                unwritten,
+            )
+        if self._parked:
+            self.logger.error(
+                "Stopping with %d outcome(s) the database refused even as dead letters; their leases "
+                "will lapse and the messages be delivered again (max_deliveries bounds how often).",
+                len(self._parked),
+            )
 
     def _write_all(self, batch: list[Outcome], backoff: float) -> list[Outcome]:
         """Write *batch*; returns what to write again after a pause (the database is away or busy)."""
@@ -384,7 +409,9 @@ class OutcomeWriter:
             if committed := [o for o in by_kind[Write.ACK] if o.committed]:
                 # Committed by their fenced transaction: their effects apply if their row is still here.
                 done = {"ids": [o.message_id for o in committed], "deliveries": [o.delivery for o in committed]}
-                rows = conn.execute(self._committed_statement(relaxed=False), {**done, "writer": self.writer}).fetchall()
+                rows = conn.execute(
+                    self._committed_statement(relaxed=False), {**done, "writer": self.writer}
+                ).fetchall()
                 applied.update((r[0], r[1]) for r in rows)
             if acks := [o for o in by_kind[Write.ACK] if not o.committed]:
                 ack = self._ack_statement(relaxed=False)  # the transaction is relaxed already, if at all
@@ -423,7 +450,8 @@ class OutcomeWriter:
             misses: list[Miss] = [
                 (o.kind, o.message_id, o.attempt, o.delivery)
                 for o in batch
-                if o.kind is not Write.RESULT and (o.message_id, o.delivery) not in applied
+                if o.kind is not Write.RESULT
+                and (o.message_id, o.delivery) not in applied
                 and id(o) not in done_after_all
             ]
             if any(o.result is not None for o in batch):
@@ -541,7 +569,9 @@ class OutcomeWriter:
         rows: list[Row] = [row for o in applied for row in o.follow_ups]
         self.write_countdowns(conn, [c for o in applied for c in o.countdowns], rows)
 
-    def write_countdowns(self, conn: psycopg.Connection, countdowns: list[Countdown], rows: list[Row] | None = None) -> None:
+    def write_countdowns(
+        self, conn: psycopg.Connection, countdowns: list[Countdown], rows: list[Row] | None = None
+    ) -> None:
         """Count *countdowns* down, in order, and send the completions of the groups they clear (with
         *rows*), in the caller's transaction on *conn*: an ack's here, or the transaction in which a
         relay applies countdowns moved from other databases (groups.py)."""

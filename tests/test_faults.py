@@ -476,6 +476,46 @@ def test_database_outage_shorter_than_lease(proxy: tuple[Proxy, str], fault_env:
     assert stale_total(broker) == stale_before
 
 
+def test_close_during_an_outage_gives_up_the_unwritten_outcomes_and_opens_no_pool_after(
+    proxy: tuple[Proxy, str],
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """close() while the database is away waits for the pending outcomes as long as it may, then the
+    writer stops trying, says so, and its thread ends: it must not go on on a closed pool (each try
+    would open a new one, left to leak in a process that goes on). The message is not lost: its
+    lease lapses and it is delivered again (the ack never applied)."""
+    import functools
+
+    from dramatiq_pg_fenced.parts import ProcessParts
+
+    relay, via_proxy = proxy
+    monkeypatch.setattr(ProcessParts, "close", functools.partialmethod(ProcessParts.close, timeout=1.0))
+    other = dramatiq_pg_broker_factory(lease_seconds=2)
+    broker = PostgresBroker(via_proxy, schema=other.schema, lease_seconds=2, connect_timeout=1)
+    other.declare_queue("default")
+    broker.declare_queue("default")
+    sent = Message(queue_name="default", actor_name="nobody", args=(), kwargs={}, options={})
+    broker.enqueue(sent)
+    consumer = broker.consume("default", prefetch=1, timeout=100)
+    delivered = wait_for(lambda: next(consumer), 30, "a delivery")
+    writer = broker.parts.writer
+    relay.cut()
+    consumer.ack(delivered)
+    with caplog.at_level("ERROR", logger=broker.logger.name):
+        broker.close()
+        wait_for(lambda: not writer._thread.is_alive(), 15, "the writer's thread to end")
+    assert "could not be written" in caplog.text, caplog.text
+    relay.restore()
+    time.sleep(1.5)  # what a writer still trying would need to reach the restored server
+    assert not broker.started  # no pool opened after close
+    assert not acked(other, sent.message_id)
+    again = other.consume("default", prefetch=1, timeout=100)
+    redelivered = wait_for(lambda: next(again), 30, "the message delivered again once its lease lapsed")
+    assert redelivered.message_id == sent.message_id
+
+
 @pytest.mark.slow
 def test_partition_past_lease_fences_the_late_retry(
     proxy: tuple[Proxy, str], fault_env: Callable[..., Env], monkeypatch: pytest.MonkeyPatch
@@ -1335,7 +1375,9 @@ def test_a_fenced_transactions_write_applies_exactly_once_under_sigstop_and_sigk
     assert set(tally.values()) == {1}, {mid: n for mid, n in tally.items() if n != 1}
     starts = Counter(e.message_id for e in ledger.entries() if e.event == "start")
     again = sum(1 for n in starts.values() if n > 1)
-    print(f"{stops} pauses, {kills} kills: {again} messages ran more than once, {ledger.count('lost')} met DeliveryLost")
+    print(
+        f"{stops} pauses, {kills} kills: {again} messages ran more than once, {ledger.count('lost')} met DeliveryLost"
+    )
     assert again > 0, "no message ran twice: the faults proved nothing"
 
 
@@ -1370,7 +1412,10 @@ def test_a_fenced_transactions_write_applies_exactly_once_across_postgresql_rest
     try:
         wait_for(lambda: not owned_states(outage), 90, "every message to be acked")
     except BaseException:
-        print("left:", owned_query(outage, "SELECT state, attempt, lease_expires_at < now(), consumer_id FROM {s}.message"))
+        print(
+            "left:",
+            owned_query(outage, "SELECT state, attempt, lease_expires_at < now(), consumer_id FROM {s}.message"),
+        )
         raise
     workers.stop_all()
 

@@ -464,6 +464,27 @@ def test_close_waits_for_a_background_chore_running_so_it_opens_no_pool_after_it
     assert not broker.started  # the chore opened no pool after close
 
 
+def test_an_outcome_settled_after_close_is_said_and_not_written_and_the_message_comes_back(
+    dramatiq_pg_broker_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An actor that finishes after ``close()`` (a worker thread past its join): its ack is not lost in
+    silence; it is logged, not written (the writer is stopped), and the message is delivered again."""
+    broker = dramatiq_pg_broker_factory(lease_seconds=1)
+    other = dramatiq_pg_broker_factory(schema=broker.schema, lease_seconds=1, rescue_interval=0.2)
+    broker.declare_queue("default")
+    other.declare_queue("default")
+    sent = message()
+    broker.enqueue(sent)
+    d = deliver(broker)
+    broker.close()
+    with caplog.at_level("ERROR", logger=broker.logger.name):
+        d.consumer.ack(d)  # type: ignore[attr-defined]
+    assert "came after the broker closed" in caplog.text
+    assert not broker.started and not acked(other, sent.message_id)
+    again = deliver(other)
+    assert again.message_id == sent.message_id and again.attempt == d.attempt + 1
+
+
 # -- join as Dramatiq's StubBroker ------------------------------------------------------------------
 def test_join_raises_the_actors_exception_by_default(dramatiq_pg_broker_factory: Factory) -> None:
     from helpers import running_worker
