@@ -12,10 +12,10 @@ the send      Dramatiq's ``actor.send()`` until it calls the broker; the broker 
               durable commit, the NOTIFY's included); the rest (giving the connection
               back, Dramatiq's ``after_enqueue``).
 the delivery  from ``send()`` called to the ring heard by the listener thread; to the
-              consumer's claim beginning (the consumer thread woken, its connection
-              taken); the claim's round trip; the rows made messages and handed to
-              Dramatiq; Dramatiq's hand-off to a worker thread and its middleware,
-              to the actor's first line.
+              consumer thread's claim beginning (woken, its checks); a pooled connection
+              taken (and its checkout check); to the claim's call; the claim's round
+              trip; the rows made messages and handed to Dramatiq; Dramatiq's hand-off
+              to a worker thread and its middleware, to the actor's first line.
 
 The marks wrap the broker's methods here, so each step carries a few microseconds of
 the wrapping.  Paced sends find the machine cold (the CPU's caches, the threads asleep):
@@ -102,8 +102,10 @@ SEND_STEPS = [
 ]
 DELIVERY_STEPS = [
     ("send() called until the listener hears the ring", "sent", "ring"),
-    ("the ring until the claim begins", "ring", "claim>"),
-    ("the claim: round trip", "claim>", "claim<"),
+    ("the ring until the consumer thread begins its claim", "ring", "take>"),
+    ("to a pooled connection (taken, checked)", "take>", "getconn<"),
+    ("from the connection to the claim's call", "getconn<", "claim>"),
+    ("the claim: its parameters, round trip and rows", "claim>", "claim<"),
     ("rows to messages, handed to Dramatiq", "claim<", "next"),
     ("Dramatiq's hand-off and middleware, to the actor", "next", "actor"),
 ]
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from dramatiq_pg_fenced import PostgresBroker
     from dramatiq_pg_fenced import consumer as consumer_module
     from dramatiq_pg_fenced import doorbell as doorbell_module
+    from dramatiq_pg_fenced import reconnect as reconnect_module
 
     schema = f"bench_steps_{uuid.uuid4().hex[:8]}"
     broker = PostgresBroker(apps.pg_url(args.url, "latency-steps-worker"), schema=schema)
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     dramatiq.actor(stamp, actor_name="stamp", queue_name=apps.QUEUE)
     marks: Marks = collections.defaultdict(list)
     wrap(doorbell_module.Doorbell, "ring", marks, "ring", returned=False)
+    wrap(consumer_module.PostgresConsumer, "_claim", marks, "take", returned=False)
+    wrap(reconnect_module.PacedPool, "getconn", marks, "getconn")
     wrap(consumer_module.PostgresConsumer, "_claim_rows", marks, "claim")
     real_next = consumer_module.PostgresConsumer.__next__
 
@@ -191,11 +196,13 @@ def report(sends: list[dict[str, float]], started: dict[float, float], marks: Ma
         send_steps["send() in all"].append((send["returned"] - send["sent"]) * 1e6)
         point: dict[str, float | None] = {"sent": send["sent"]}
         point["ring"] = first_after("ring>", point["sent"])
-        point["claim>"] = first_after("claim>", point["ring"])
+        point["take>"] = first_after("take>", point["ring"])
+        point["getconn<"] = first_after("getconn<", point["take>"])
+        point["claim>"] = first_after("claim>", point["getconn<"])
         point["claim<"] = first_after("claim<", point["claim>"])
         point["next"] = first_after("next", point["claim<"])
         point["actor"] = started.get(send["sent"])
-        times = [point[k] for k in ("sent", "ring", "claim>", "claim<", "next", "actor")]
+        times = [point[k] for k in ("sent", "ring", "take>", "getconn<", "claim>", "claim<", "next", "actor")]
         if any(t is None for t in times) or times != sorted(times):  # type: ignore[type-var]
             unmatched += 1  # a claim of another moment (an idle poll, a look back) came between
             continue
