@@ -64,6 +64,35 @@ def query(broker: PostgresBroker, text: str, params: Any = None) -> list[tuple]:
         return cur.fetchall() if cur.description else []
 
 
+def expire_and_rescue(broker: PostgresBroker, where: str = "TRUE", params: Any = None, timeout: float = 10.0) -> int:
+    """Let the leases of the running rows matching *where* lapse and have them taken back; returns how many.
+
+    The test's own ``rescue()`` may find nothing to take back: the process's own chores run too (its
+    maintenance rescues every second, its lease keeper extends the leases this process holds), and
+    one of them may act between the test's expiry and its rescue (CI: ``rescue() == 1`` saw 0).  So
+    this expires and rescues until each of those deliveries (message and attempt) is no longer running,
+    whichever rescue took it back.
+    """
+    held = query(
+        broker, f"SELECT message_id, attempt FROM {{schema}}.message WHERE state = 'running' AND ({where})", params
+    )
+    assert held, f"no running row matches {where!r}"
+    ids, attempts = [r[0] for r in held], [r[1] for r in held]
+    same = "state = 'running' AND (message_id, attempt) IN (SELECT * FROM unnest(%s::uuid[], %s::int[]))"
+
+    def taken_back() -> bool:
+        query(
+            broker,
+            f"UPDATE {{schema}}.message SET lease_expires_at = now() - interval '1 second' WHERE {same}",
+            [ids, attempts],
+        )
+        broker.parts.maintenance.rescue()
+        return not query(broker, f"SELECT 1 FROM {{schema}}.message WHERE {same}", [ids, attempts])
+
+    wait_for(taken_back, timeout, f"the expired leases of {len(held)} running row(s) taken back")
+    return len(held)
+
+
 def listening(backend: Any, key: str) -> bool:
     """Does *backend* (results or rate limits) wait for a notification on *key* in this process?"""
     doorbell = backend.database.started_doorbell(backend.channel)

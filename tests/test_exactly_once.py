@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from dramatiq.errors import QueueJoinTimeout
 from dramatiq.results import Results
-from helpers import Factory, query, running_worker, wait_for
+from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.admin import CancelOutcome
@@ -76,7 +76,9 @@ def test_the_actors_write_commits_with_its_ack_on_the_brokers_connection(dramati
     assert counts(broker) == {f"k{i}": 1 for i in range(5)}
     assert left(broker) == []
     assert query(broker, "SELECT count(*) FROM {schema}.history WHERE actor_name = 'pay'") == [(5,)]
-    assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'committed'") == [(0,)]  # every row finished
+    assert query(broker, "SELECT count(*) FROM {schema}.message WHERE state = 'committed'") == [
+        (0,)
+    ]  # every row finished
     assert stale(broker) == 0
 
 
@@ -193,8 +195,7 @@ def test_a_delivery_that_lost_its_message_writes_nothing(dramatiq_pg_broker_fact
         pay.send("k")
         wait_for(started.is_set, 30, "attempt 1 to start")
         # Its worker "pauses" past its lease: the rescuer puts the message back, another thread takes it.
-        query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
-        assert broker.parts.maintenance.rescue() == 1
+        assert expire_and_rescue(broker) == 1
         wait_for(lambda: counts(broker) == {"k": 1}, 30, "attempt 2's write")
         go.set()
         wait_for(lambda: raised, 30, "attempt 1's DeliveryLost")

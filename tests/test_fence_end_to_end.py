@@ -7,7 +7,7 @@ from typing import Any
 
 import dramatiq
 import pytest
-from helpers import Factory, acked, query, wait_for
+from helpers import Factory, acked, expire_and_rescue, query, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker, SchemaError
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
@@ -25,11 +25,6 @@ def deliver(broker: PostgresBroker, queue: str = "default") -> PostgresMessagePr
     assert isinstance(delivered, PostgresMessageProxy)
     delivered.consumer = consumer  # type: ignore[attr-defined]  # to settle it through its own consumer
     return delivered
-
-
-def expire_and_rescue(broker: PostgresBroker) -> None:
-    query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second' WHERE state = 'running'")
-    assert broker.parts.maintenance.rescue() >= 1
 
 
 def stale_writes(broker: PostgresBroker) -> int:

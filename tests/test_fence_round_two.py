@@ -16,7 +16,7 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq.results import ResultFailure, Results
-from helpers import Factory, query, running_worker, wait_for
+from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.results import PostgresBackend
@@ -58,8 +58,7 @@ def test_a_fenced_out_deliverys_error_never_becomes_the_result_of_a_message_the_
         message = slow.send()
         wait_for(started.is_set, 30, "the actor to start")
         # The worker "pauses" past its lease: the rescuer finds it expired and, at max_deliveries, dead-letters it.
-        query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
-        assert broker.parts.maintenance.rescue() == 1
+        assert expire_and_rescue(broker) == 1
         go.set()  # the late worker fails; its nack is fenced out
         wait_for(lambda: broker.stats()["totals"].get("stale_writes", 0) >= 1, 30, "the stale nack")
         assert broker.flush_outcomes(10)
@@ -240,7 +239,6 @@ def test_with_ack_inside_an_outbox_transaction_is_refused(
         with pytest.raises(NestedSendError, match="transaction"), broker.with_ack():
             job.send()
     assert count(broker, "job") == 0
-
 
 
 def test_an_exception_whose_text_no_column_takes_still_rides_its_nack(dramatiq_pg_broker_factory: Factory) -> None:

@@ -20,7 +20,7 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq.message import Message
-from helpers import query, wait_for
+from helpers import expire_and_rescue, query, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker, consumer
@@ -115,13 +115,8 @@ def test_a_rescued_message_behind_the_floor_is_claimed_at_once(broker: PostgresB
             [c.floor.at[0], old.message_id],
         ) == [(True,)]
         # Its holder vanished: the lease lapses and maintenance (of any process) puts it back.
-        query(
-            broker,
-            "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE message_id = %s",
-            [old.message_id],
-        )
         broker.parts.leases.release(held.message_id, held.delivery)  # this process forgets it, as a crashed one would
-        assert broker.parts.maintenance.rescue() == 1
+        assert expire_and_rescue(broker, "message_id = %s", [old.message_id]) == 1
         again = next_message(c)
         assert again.message_id == old.message_id and again.attempt == 2
         c.ack(newer)

@@ -8,7 +8,7 @@ import uuid
 import dramatiq
 import pytest
 from dramatiq.middleware import CurrentMessage
-from helpers import Factory, query, running_worker, wait_for
+from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker, admin
 from dramatiq_pg_fenced.maintenance import HISTORY_BATCH
@@ -315,7 +315,7 @@ def test_a_rescued_lease_counts_as_a_redelivery(dramatiq_pg_broker: PostgresBrok
         " WHERE message_id = %s",
         [m.message_id],
     )
-    assert broker.parts.maintenance.rescue() == 1
+    assert expire_and_rescue(broker, "message_id = %s", [m.message_id]) == 1
     assert admin.counters(broker.database, broker.statements)["redeliveries"] == 1
     assert broker.inspect(m.message_id)["state"] == "queued"
 

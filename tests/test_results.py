@@ -12,7 +12,7 @@ import dramatiq
 import pytest
 from dramatiq.message import Message
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
-from helpers import Factory, acked, listening, query, running_worker, wait_for
+from helpers import Factory, acked, expire_and_rescue, listening, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
@@ -255,8 +255,7 @@ def _two_deliveries(factory: Factory) -> tuple[Any, ...]:
     stale = next(consumer_a)
     assert isinstance(stale, PostgresMessageProxy) and stale.attempt == 1
     # Attempt 1 stalls past its lease: it expires and is rescued, attempt 2 runs in B.
-    query(a, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
-    assert a.parts.maintenance.rescue() == 1
+    assert expire_and_rescue(a) == 1
     consumer_b = b.consume("default", prefetch=1, timeout=5000)
     current = wait_for(lambda: next(consumer_b), what="the second delivery")
     assert current.attempt == 2

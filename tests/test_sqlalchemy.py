@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import dramatiq
 import psycopg
 import pytest
-from helpers import Factory, acked, query, running_worker
+from helpers import Factory, acked, expire_and_rescue, running_worker
 
 sqlalchemy = pytest.importorskip("sqlalchemy")
 
@@ -183,8 +183,7 @@ def count(broker: PostgresBroker, engine: Engine) -> Iterator[tuple[dramatiq.Act
     def add_one(key: int, on: str = "session", how: str = "") -> None:
         attempt = delivery.running().attempt  # type: ignore[union-attr]
         if how == "lose_first" and attempt == 1:
-            query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 second'")
-            seen.append(("rescued", broker.parts.maintenance.rescue()))
+            seen.append(("rescued", expire_and_rescue(broker)))
         write = text(
             f'INSERT INTO "{broker.schema}".counts (id, n) VALUES (:id, 1) '
             "ON CONFLICT (id) DO UPDATE SET n = counts.n + 1"

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from dramatiq import group, pipeline
 from dramatiq.results import Results
-from helpers import query, running_worker, wait_for
+from helpers import expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.delivery import PostgresMessageProxy
@@ -325,14 +325,12 @@ def test_a_retry_alone_takes_its_key_back_after_a_release_and_a_rescue(broker: P
     claim.consumer.requeue([claim()])  # released at shutdown, unstarted
     assert holder(broker, "k") == [first.message_id]
     claim()
-    query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s'")
-    assert broker.parts.maintenance.rescue() == 1
+    assert expire_and_rescue(broker) == 1
     assert holder(broker, "k") == [first.message_id]
     # Rescued while a newer message holds the key: back without it.
     claim()
     newer = job.send()
-    query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '1 s' WHERE state = 'running'")
-    assert broker.parts.maintenance.rescue() == 1
+    assert expire_and_rescue(broker) == 1
     assert rows(broker) == [(first.message_id, None, "queued"), (newer.message_id, "k", "queued")]
 
 
