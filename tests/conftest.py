@@ -27,6 +27,17 @@ from dramatiq_pg_fenced import PostgresBroker
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests stop the CLI processes they start with SIGINT, as Ctrl-C does.  A suite started in the
+    background by a shell without job control (``cmd &`` in a script, ``nohup``) inherits SIGINT
+    ignored, and an ignored signal stays ignored in every process it starts: the dashboard, the
+    metrics server and the quickstart then never stopped, and 7 tests failed (seen in a fresh run
+    started so).  A handler here is reset to the default in each child at its exec, so Python
+    children turn SIGINT into KeyboardInterrupt again."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _restore_dramatiq_globals() -> Iterator[None]:
     """Tests set the global broker and encoder; put them back afterwards."""
