@@ -31,7 +31,7 @@ for path in (REPO, REPO / "tests"):
 
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from dramatiq_pg_fenced.reconnect import PacedConnection  # noqa: E402
+from dramatiq_pg_fenced.db.reconnect import PacedConnection  # noqa: E402
 
 LINUX = {"keepalives_idle": "7200", "keepalives_interval": "75", "keepalives_count": "9", "tcp_user_timeout": "0"}
 

@@ -26,7 +26,7 @@ from psycopg import sql
 
 from benchmarks import apps
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.consumer import HEAD
+from dramatiq_pg_fenced.core.consumer import HEAD
 
 
 def main(argv: list[str] | None = None) -> int:

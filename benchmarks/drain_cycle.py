@@ -38,8 +38,8 @@ STATS_EVERY = 100  # claims between two writes of the worker's figures
 
 if os.environ.get("BENCH_CYCLE_FILE"):  # imported by the worker process
     from benchmarks.apps import actors, broker  # noqa: F401  (the actors Dramatiq's CLI looks for)
-    from dramatiq_pg_fenced import consumer as _consumer
-    from dramatiq_pg_fenced import leases as _leases
+    from dramatiq_pg_fenced.core import consumer as _consumer
+    from dramatiq_pg_fenced.core import leases as _leases
 
     _figures: dict[str, Any] = {"claims": 0, "claim_s": 0.0, "statement_s": 0.0, "room_s": 0.0, "sizes": {}}
     _sizes: collections.Counter[int] = collections.Counter()

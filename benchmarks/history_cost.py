@@ -30,9 +30,9 @@ import dramatiq
 import psycopg
 from psycopg import sql
 
-from dramatiq_pg_fenced import migrations
-from dramatiq_pg_fenced.maintenance import HISTORY_BATCH
-from dramatiq_pg_fenced.sql import bind, statements
+from dramatiq_pg_fenced.core.maintenance import HISTORY_BATCH
+from dramatiq_pg_fenced.db import migrations
+from dramatiq_pg_fenced.db.statements import bind, statements
 
 PLAIN = """
     DELETE FROM {schema}.message AS m

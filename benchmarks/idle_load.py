@@ -1,6 +1,7 @@
 """What worker processes cost the server: idle transactions, connections, transactions per message.
 
     python -m benchmarks.idle_load [--processes 1,8,32] [--queues 10] [--window 30] [--rate 20]
+                                   [--own-server] [--server-log [PATH]]
 
 Runs the stock ``dramatiq`` CLI (``--processes N --threads 1``) over
 ``--queues`` queues, in a database of its own (``BENCH_PG_URL``'s server,
@@ -20,14 +21,25 @@ The statistics collector publishes a backend's counts up to a second or so
 late (10 s for an idle one), so each window starts and ends in the same
 steady state; the figures are rates over the window.
 
-On a shared server the raw figure carries noise: every idle backend commits
-an empty transaction when DDL in *other* databases fills the shared
-invalidation queue (a catch-up interrupt), so the more connections, the more
-of it.  The benchmark measures that noise in the same window on ``--control``
-connections to a database of their own (each runs one empty statement a
-second, as a worker's connections do; those statements are taken off) and
-reports, beside the raw rate, the rate less the noise of as many backends as
-the workers held (``*_less_noise``).
+``pg_stat_database`` counts every transaction of the database, the server's own
+among them: an idle backend that fell behind the shared invalidation queue, which
+DDL anywhere on the server fills (another database's included: a test suite making
+schemas beside), reads it in a transaction of its own (a catch-up), and so the more
+idle backends, the more of them.  On a shared server ``idle_xacts_per_s`` carries
+them (8 processes beside the test suite: 46.2 a second, of which 14.4 the workers'
+own; docs/performance.md, "What each idle transaction is for").  So either run it
+on a server of its own (``--own-server``: no other database's DDL), or count from
+the server's log (``--server-log PATH``, or ``--server-log`` alone with
+``--own-server``): the database then logs every statement and every transaction's
+start and end (``log_statement``, ``log_min_messages = debug5``: superuser; reset
+afterwards), and ``idle_log_*`` give the worker processes' backends' transactions
+by kind over the same window, the server's catch-ups apart (:mod:`.server_log`).
+Logging every transaction costs the server: read the CPU figures of a run without it.
+
+(An earlier version took the noise off with control connections that each ran an empty
+statement a second: the transactions of a backend that runs only empty statements, its
+catch-ups included, reach ``pg_stat_database`` only when it exits, so those controls always
+measured 0.)
 """
 
 from __future__ import annotations
@@ -39,16 +51,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import dramatiq
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from . import server_log
 
 REPO = Path(__file__).resolve().parent.parent
 APP = "bench-idle"
@@ -81,30 +94,6 @@ if os.environ.get("BENCH_IDLE_SCHEMA"):  # imported by a worker process
     actors = declare(broker, int(os.environ["BENCH_IDLE_QUEUES"]))
 
 
-class Control:
-    """Idle-like connections to a database of their own: the per-backend noise of the same window."""
-
-    def __init__(self, database: str, connections: int) -> None:
-        self.database = database
-        self.conns = [psycopg.connect(url_for(database, "bench-control"), autocommit=True) for _ in range(connections)]
-        self.statements = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            for conn in self.conns:
-                conn.execute(b"")
-                self.statements += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        for conn in self.conns:
-            conn.close()
-
-
 class Stats:
     """Reads of ``pg_stat_database`` and ``pg_stat_activity`` from the ``postgres`` database (not counted)."""
 
@@ -119,15 +108,32 @@ class Stats:
         ).fetchone()
         return int(row[0]) if row else 0
 
-    def noise(self, control: Control, seconds: float) -> tuple[float, Callable[[], float]]:
-        """Start measuring the control's noise: returns a function giving it, per backend per second."""
-        before, statements = self.xacts(control.database), control.statements
+    def clock(self) -> str:
+        """The server's clock as its log stamps lines (``log_timezone``, milliseconds): where a window starts
+        and ends in the log."""
+        row = self.conn.execute(
+            "SELECT to_char(clock_timestamp() AT TIME ZONE current_setting('log_timezone'), 'YYYY-MM-DD HH24:MI:SS.MS')"
+        )
+        return str(row.fetchone()[0])  # type: ignore[index]
 
-        def per_backend() -> float:
-            after = self.xacts(control.database)
-            return max(after - before - (control.statements - statements), 0) / len(control.conns) / seconds
+    def backends(self) -> dict[int, str]:
+        """The database's backends now: pid -> application name."""
+        rows = self.conn.execute(
+            "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s", [self.database]
+        ).fetchall()
+        return {int(pid): str(name) for pid, name in rows}
 
-        return before, per_backend
+    def log_everything(self, on: bool) -> None:
+        """Make the database's new sessions log every statement and every transaction's start and end (or
+        no longer): what :mod:`.server_log` reads.  Needs a superuser."""
+        ident = sql.Identifier(self.database)
+        for name, value in (("log_statement", "all"), ("log_min_messages", "debug5")):
+            if on:
+                self.conn.execute(
+                    sql.SQL("ALTER DATABASE {} SET {} = {}").format(ident, sql.Identifier(name), sql.Literal(value))
+                )
+            else:
+                self.conn.execute(sql.SQL("ALTER DATABASE {} RESET {}").format(ident, sql.Identifier(name)))
 
     def worker_backends(self) -> list[int]:
         rows = self.conn.execute(
@@ -201,7 +207,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
-def run_one(args: argparse.Namespace, processes: int, database: str, control: Control) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, processes: int, database: str) -> dict[str, Any]:
     from dramatiq_pg_fenced import PostgresBroker
 
     schema = f"idle_{uuid.uuid4().hex[:8]}"
@@ -209,6 +215,8 @@ def run_one(args: argparse.Namespace, processes: int, database: str, control: Co
     sender.migrate()
     actors = declare(sender, args.queues)
     stats = Stats(database)
+    if args.server_log:
+        stats.log_everything(True)  # before the workers connect: a session takes the settings as it starts
     log = Path(f"/tmp/idle_load_{processes}.log")
     env = {"BENCH_IDLE_SCHEMA": schema, "BENCH_IDLE_DB": database, "BENCH_IDLE_QUEUES": str(args.queues)}
     proc = workers(processes, env, log)
@@ -219,26 +227,27 @@ def run_one(args: argparse.Namespace, processes: int, database: str, control: Co
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"workers not ready; see {log}")
             time.sleep(0.2)
+        log_from = os.path.getsize(args.server_log) if args.server_log else 0
         time.sleep(args.settle)
-        conns = stats.connections()
-        backends = sum(conns.values())
-        _, noise = stats.noise(control, args.window)
         mine, server = stats.worker_backends(), stats.server_processes()
         mine_before, server_before = cpu_ns(mine), cpu_ns(server)
-        before, t0 = stats.xacts(), time.monotonic()
-        time.sleep(args.window)
-        after, t1 = stats.xacts(), time.monotonic()
+        before, t0, clock0 = stats.xacts(), time.monotonic(), stats.clock()
+        seen = stats.backends() if args.server_log else {}
+        while (left := t0 + args.window - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5) if args.server_log else left)
+            seen.update(stats.backends() if args.server_log else {})  # every backend of the window, by pid
+        after, t1, clock1 = stats.xacts(), time.monotonic(), stats.clock()
+        out["idle_window"] = [clock0, clock1]  # the server's clock, in its log's zone
         cpu_mine = cpu_seconds_between(mine_before, cpu_ns(stats.worker_backends()))
         cpu_server = cpu_seconds_between(server_before, cpu_ns(stats.server_processes()))
         # Server CPU (/proc, ms per second of wall clock): the worker processes' own backends, and the whole
-        # server (background processes, the control connections and this benchmark's reads included).
+        # server (background processes and this benchmark's reads included).
         out["server_cpu_ms_per_s_worker_backends"] = round(cpu_mine / (t1 - t0) * 1000, 2)
         out["server_cpu_ms_per_s_whole_server"] = round(cpu_server / (t1 - t0) * 1000, 2)
         out["server_cpu_ms_per_s_per_idle_process"] = round(cpu_mine / (t1 - t0) * 1000 / processes, 3)
-        per_backend = noise()
-        out["noise_per_backend_per_s"] = round(per_backend, 3)
         out["idle_xacts_per_s"] = round((after - before) / (t1 - t0), 2)
-        out["idle_xacts_per_s_less_noise"] = round((after - before) / (t1 - t0) - per_backend * backends, 2)
+        if args.server_log:
+            out.update(log_figures(args.server_log, log_from, seen, (clock0, clock1), t1 - t0))
         conns = stats.connections()  # after the window: a pool closes what it left unused for 20 s
         out["connections_per_process_max"] = max(conns.values(), default=0)
         out["connections_per_process_mean"] = round(sum(conns.values()) / max(len(conns), 1), 2)
@@ -246,7 +255,6 @@ def run_one(args: argparse.Namespace, processes: int, database: str, control: Co
         if processes in args.wake:
             with psycopg.connect(url_for(database), autocommit=True) as conn:
                 done_before = conn.execute(f'SELECT count(*) FROM "{schema}".history').fetchone()[0]  # type: ignore[index]
-            _, noise = stats.noise(control, args.window)
             server_before = cpu_ns(stats.server_processes())
             before, t0 = stats.xacts(), time.monotonic()
             sent = 0
@@ -268,22 +276,63 @@ def run_one(args: argparse.Namespace, processes: int, database: str, control: Co
                 cpu_server = cpu_seconds_between(server_before, cpu_ns(stats.server_processes()))
                 done = conn.execute(f'SELECT count(*) FROM "{schema}".history').fetchone()[0] - done_before  # type: ignore[index]
             idle = out["idle_xacts_per_s"] * (t1 - t0)
-            less = noise() * (t1 - t0) * sum(stats.connections().values())
             # The idle rate measured above runs on beneath the messages; reported apart, not subtracted.
             out["wake_sent"] = sent
             out["wake_delivered"] = done
             out["wake_xacts_per_message"] = round((after - before) / max(done, 1), 2)
             out["wake_xacts_per_message_above_idle"] = round((after - before - idle) / max(done, 1), 2)
-            out["wake_xacts_per_message_less_noise"] = round((after - before - less) / max(done, 1), 2)
             # The whole server's CPU over the window per delivered message, the idle load beneath included
             # (a backend that started in the window counts from its start).
             out["wake_server_cpu_us_per_message"] = round(cpu_server / max(done, 1) * 1e6, 1)
     finally:
         stop(proc)
         sender.close()
+        if args.server_log:
+            stats.log_everything(False)
         with psycopg.connect(url_for(database), autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     return out
+
+
+def log_figures(
+    path: str, offset: int, backends: dict[int, str], window: tuple[str, str], seconds: float
+) -> dict[str, Any]:
+    """The idle window's transactions from the server's log (:mod:`.server_log`), per second: the worker
+    processes' backends' by kind, the server's catch-ups in them apart, each worker process's, and the
+    other backends' of the database (the benchmark's sender, autovacuum), in all and by name."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    by_process: dict[str, list[int]] = {}
+    for pid, name in backends.items():
+        by_process.setdefault(name, []).append(pid)
+    workers = [pid for name, pids in by_process.items() if name.startswith(f"{APP}-") for pid in pids]
+    others = [pid for pid in backends if pid not in workers]
+    ours = server_log.count(lines, workers, *window)
+    catch_ups = ours.pop(server_log.CATCH_UP, 0)
+    each = [
+        sum(n for kind, n in server_log.count(lines, pids, *window).items() if kind != server_log.CATCH_UP)
+        for name, pids in by_process.items()
+        if name.startswith(f"{APP}-")
+    ]
+    return {
+        "idle_log_xacts_per_s": round(sum(ours.values()) / seconds, 2),
+        "idle_log_catchup_xacts_per_s": round(catch_ups / seconds, 2),
+        "idle_log_xacts_per_s_by_kind": {kind: round(n / seconds, 2) for kind, n in ours.most_common()},
+        "idle_log_xacts_per_s_per_process_min_max": [
+            round(min(each, default=0) / seconds, 2),
+            round(max(each, default=0) / seconds, 2),
+        ],
+        "idle_log_other_backends_xacts_per_s": round(
+            sum(server_log.count(lines, others, *window).values()) / seconds, 2
+        ),
+        # Who they were: the sender's pool (bench-sender), autovacuum, ...: name -> transactions per second.
+        "idle_log_other_backends_by_name": {
+            name: round(sum(server_log.count(lines, pids, *window).values()) / seconds, 2)
+            for name, pids in by_process.items()
+            if not name.startswith(f"{APP}-")
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,17 +343,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--wake", default="8", help="process counts that also run the wake measurement")
-    parser.add_argument("--control", type=int, default=8, help="connections that measure the noise")
     parser.add_argument(
         "--own-server",
         action="store_true",
         help="run on a PostgreSQL server of the benchmark's own (initdb, max_connections 400), stopped at the end:"
         " 32 processes need more connections than a shared server may spare, and no other database's DDL"
-        " adds noise there",
+        " makes catch-up transactions there",
+    )
+    parser.add_argument(
+        "--server-log",
+        nargs="?",
+        const=OWN_LOG,
+        metavar="PATH",
+        help="also count the idle window's transactions by kind from the server's log, at PATH (alone, with"
+        " --own-server: that server's); the database logs every statement and transaction meanwhile (superuser)",
     )
     args = parser.parse_args(argv)
     args.wake = {int(p) for p in args.wake.split(",") if p}
     database = os.environ.get("BENCH_IDLE_DB", "bench_idle")
+    if args.server_log == OWN_LOG and not args.own_server:
+        parser.error("--server-log without a PATH needs --own-server")
     server = None
     if args.own_server:
         tests = str(REPO / "tests")
@@ -314,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
         server = OwnedServer(max_connections="400")
         os.environ["BENCH_PG_URL"] = server.url  # the worker processes inherit it
+        if args.server_log == OWN_LOG:
+            args.server_log = os.path.join(server.datadir, "log")
     try:
         return measure(args, database)
     finally:
@@ -321,17 +381,16 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
 
 
+#: ``--server-log`` given without a path: the log of the benchmark's own server.
+OWN_LOG = "own"
+
+
 def measure(args: argparse.Namespace, database: str) -> int:
     with psycopg.connect(url_for("postgres"), autocommit=True) as conn:
-        for name in (database, f"{database}_control"):
-            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-                conn.execute(f'CREATE DATABASE "{name}"')
-    control = Control(f"{database}_control", args.control)
-    try:
-        for processes in (int(p) for p in args.processes.split(",")):
-            print(json.dumps(run_one(args, processes, database, control)), flush=True)
-    finally:
-        control.close()
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database]).fetchone():
+            conn.execute(f'CREATE DATABASE "{database}"')
+    for processes in (int(p) for p in args.processes.split(",")):
+        print(json.dumps(run_one(args, processes, database)), flush=True)
     return 0
 
 

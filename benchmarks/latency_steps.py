@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from dramatiq_pg_fenced import PostgresBroker
-    from dramatiq_pg_fenced import consumer as consumer_module
-    from dramatiq_pg_fenced import doorbell as doorbell_module
-    from dramatiq_pg_fenced import reconnect as reconnect_module
+    from dramatiq_pg_fenced.core import consumer as consumer_module
+    from dramatiq_pg_fenced.db import doorbell as doorbell_module
+    from dramatiq_pg_fenced.db import reconnect as reconnect_module
 
     schema = f"bench_steps_{uuid.uuid4().hex[:8]}"
     broker = PostgresBroker(apps.pg_url(args.url, "latency-steps-worker"), schema=schema)

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced import sql as statements_module
+from dramatiq_pg_fenced.db import statements as statements_module
 
 
 def untallied(schema: str) -> bytes:

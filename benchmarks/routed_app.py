@@ -5,7 +5,7 @@ import os
 
 import dramatiq
 
-from dramatiq_pg_fenced.routing import RoutedBroker
+from dramatiq_pg_fenced.routing.router import RoutedBroker
 
 urls = os.environ["ROUTED_URLS"].split(",")
 broker = RoutedBroker(

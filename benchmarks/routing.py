@@ -36,7 +36,7 @@ from dramatiq.message import Message  # noqa: E402
 from psycopg import sql  # noqa: E402
 from test_faults import OwnedServer, process_tree  # noqa: E402
 
-from dramatiq_pg_fenced.routing import RoutedBroker  # noqa: E402
+from dramatiq_pg_fenced.routing.router import RoutedBroker  # noqa: E402
 
 QUEUES = ("q0", "q1", "q2")
 

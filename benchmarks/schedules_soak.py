@@ -74,7 +74,7 @@ def main() -> int:
             )
 
     def scheduler(i: int) -> subprocess.Popen:
-        return spawn(["dramatiq_pg_fenced.cli", "scheduler", APP], f"scheduler-{i}")
+        return spawn(["dramatiq_pg_fenced.cli.command", "scheduler", APP], f"scheduler-{i}")
 
     def now() -> datetime:
         return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]

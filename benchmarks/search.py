@@ -10,7 +10,7 @@ payloads as Dramatiq encodes them, args ``[n]`` and kwargs ``{"user": n %
 times, and prints the median in milliseconds and its ratio to the plain first
 page of the same run (the machine is shared: compare ratios).  Deep pages
 start from a cursor half-way through the keys.  Then it times the charts'
-sample on the same rows (``charts.take_sample``: what one worker process's
+sample on the same rows (``samples.take_sample``: what one worker process's
 maintenance loop does once a minute; exact counts).  The schema is dropped at
 the end.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, charts
+from dramatiq_pg_fenced import PostgresBroker
 
 # A Dramatiq JSON message per row (braces doubled: the text goes through sql.SQL.format).
 _PAYLOAD = (
@@ -95,7 +95,7 @@ def main() -> None:
             fill(conn, ident, args.rows, args.history)
             print(f"filled {args.rows:,} message rows and {args.history:,} history rows in "
                   f"{time.perf_counter() - started:.1f} s")  # fmt: skip
-            some = str(conn.execute(sql.SQL("SELECT message_id FROM {}.message OFFSET 500000 LIMIT 1").format(ident))
+            some = str(conn.execute(sql.SQL("SELECT message_id FROM {}.message OFFSET %s LIMIT 1").format(ident), [args.rows // 2])
                        .fetchone()[0])  # fmt: skip
             kept = str(conn.execute(sql.SQL("SELECT message_id FROM {}.history LIMIT 1").format(ident)).fetchone()[0])
         middle = f"{uuid.UUID(int=1 << 127)}|0|0"
@@ -111,6 +111,8 @@ def main() -> None:
             ("args contain [n] (one row)", {"args": [123457]}),
             ("kwargs contain user (0.1%)", {"kwargs": {"user": 42}}),
             ("kwargs user + state dead (0.001%)", {"kwargs": {"user": 7}, "state": "dead"}),
+            ("value, one row (typed 123457)", {"value": "123457"}),
+            ("value, none (typed a word)", {"value": "nobody@example.com"}),
         ]
         base = None
         figures = []
@@ -126,7 +128,7 @@ def main() -> None:
             with broker.database.connection() as conn:
                 conn.execute(sql.SQL("DELETE FROM {}.queue_minute").format(ident))
                 started = time.perf_counter()
-                assert charts.take_sample(conn, broker.statements)
+                assert samples.take_sample(conn, broker.statements)
                 samples.append((time.perf_counter() - started) * 1000)
         sample_ms = statistics.median(samples)
         print(f"{'charts sample (once a minute)':40} {sample_ms:10.1f} {sample_ms / base:8.2f}")

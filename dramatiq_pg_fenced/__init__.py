@@ -1,9 +1,15 @@
 """dramatiq-pg-fenced: a PostgreSQL broker for Dramatiq with fenced deliveries."""
 
-from .broker import CancelOutcome, PostgresBroker
-from .delivery import PostgresMessageProxy
+from typing import TYPE_CHECKING
+
+from .broker import PostgresBroker
+from .config import __version__ as __version__
+from .core.delivery import PostgresMessageProxy
+from .db.startup import StartupError
 from .errors import DeadLetterError, PayloadTooLarge, SchemaError
-from .startup import StartupError
+
+if TYPE_CHECKING:
+    from .ops.messages import CancelOutcome
 
 __all__ = [
     "CancelOutcome",
@@ -14,17 +20,21 @@ __all__ = [
     "SchemaError",
     "StartupError",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``PostgresResultBackend`` and ``PostgresRateLimiterBackend``, imported on first use."""
+    """``PostgresResultBackend``, ``PostgresRateLimiterBackend`` and ``CancelOutcome`` (the operators'
+    code), imported on first use: a worker loads none of them at start-up."""
+    if name == "CancelOutcome":
+        from .ops.messages import CancelOutcome
+
+        return CancelOutcome
     if name == "PostgresResultBackend":
-        from .results import PostgresBackend
+        from .features.results import PostgresBackend
 
         return PostgresBackend
     if name == "PostgresRateLimiterBackend":
-        from .rate_limits import PostgresBackend as RateLimiterBackend
+        from .features.rate_limits import PostgresBackend as RateLimiterBackend
 
         return RateLimiterBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
@@ -22,8 +22,6 @@ from dramatiq.logging import get_logger
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
-from . import admin, delivery, startup
-from .admin import CancelOutcome, OperatorMethods
 from .config import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_MESSAGE_TTL,
@@ -39,23 +37,29 @@ from .config import (
     DEFAULT_SCHEMA,
     Settings,
 )
-from .console import ConsoleMethods
-from .consumer import PostgresConsumer
-from .database import Database, this_process
-from .delivery import PostgresMessageProxy, Row
-from .enqueue import Enqueuer
+from .core import delivery
+from .core.consumer import PostgresConsumer
+from .core.delivery import PostgresMessageProxy, Row
+from .core.fencing import OutcomeObserver, Write
+from .core.outcomes import retry_outcome
+from .db import startup
+from .db.database import Database, this_process
+from .db.statements import check_queue, check_schema, statements
 from .errors import DeadLetterError, DeliveryLost
-from .exactly_once import FencedTransactions
-from .fencing import Write
+from .features.exactly_once import FencedTransactionHook, FencedTransactions
 from .hooks import SkipNoopHooks
 from .middleware import FencedDelivery
-from .outcomes import retry_outcome
+from .ops import admin
+from .ops.admin import OperatorMethods
+from .ops.console import ConsoleMethods
 from .parts import DeliveryMethods, ProcessParts
-from .schedules import Schedules
-from .schedules import overview as schedule_overview
-from .sends import SendMethods, SendsOfThisThread
-from .sql import check_queue, check_schema, statements
-from .unique import UniqueMessages
+from .sending.enqueue import Enqueuer
+from .sending.fairness import FairShares
+from .sending.sends import SendMethods, SendsOfThisThread
+from .sending.unique import UniqueMessages
+
+if TYPE_CHECKING:
+    from .features.schedules import Schedules
 
 
 class PostgresBroker(
@@ -170,16 +174,19 @@ class PostgresBroker(
                 reads=True,
             )
         self.statements = statements(schema)
+        #: Declares fairness_key and fairness_weight, and knows the fair queues (fairness.py).
+        self.fair_shares = FairShares()
         self.enqueuer = Enqueuer(
             self.statements,
             self.settings,
             actor_of=self.actors.get,
+            fair_queues=self.fair_shares.queues,
             max_payload_bytes=max_payload_bytes,
             synchronous_commit=synchronous_commit,
             logger=self.logger,
         )
-        #: Periodic messages declared in this process (``@schedule`` or ``broker.schedules.add``).
-        self.schedules = Schedules(lookup=self.actors.get)
+        self._schedules: Schedules | None = None  # made when first asked for (see schedules)
+        self._schedules_lock = threading.Lock()
         self.run_schedules = bool(run_schedules)
         self.consumer_id = _new_consumer_id()
         self.queues: set[str] = set()
@@ -188,7 +195,14 @@ class PostgresBroker(
         self._dead: OrderedDict[str, BaseException | None] = OrderedDict()
         self._local = SendsOfThisThread()  # per thread: an open batch() or transaction()
         self._checked_in: int | None = None  # the process whose start-up check passed
+        #: Told of each delivery's outcome once written or fenced out, ``(outcome, verdict)`` on the
+        #: outcome writer's thread (:meth:`.fencing.StaleWrites.settled`); the OpenTelemetry middleware's.
+        self.outcome_observers: list[OutcomeObserver] = []
+        #: Each called with the delivery as a ``fenced_transaction()`` begins: a context manager
+        #: around the block (the OpenTelemetry middleware's span).
+        self.fenced_transaction_hooks: list[FencedTransactionHook] = []
         self.add_middleware(UniqueMessages())  # declares the unique_key and unique_until actor options
+        self.add_middleware(self.fair_shares)
         self.add_middleware(FencedDelivery())
 
     def add_middleware(self, middleware: Any, **where: Any) -> None:
@@ -231,6 +245,20 @@ class PostgresBroker(
     def synchronous_commit(self, value: bool) -> None:
         self.enqueuer.synchronous_commit = value
 
+    @property
+    def schedules(self) -> Schedules:
+        """Periodic messages declared in this process (``@schedule`` or ``broker.schedules.add``).
+
+        The registry, and the schedules' code, are made when first asked for: a worker of an application
+        that declares no schedule never loads them.
+        """
+        with self._schedules_lock:
+            if self._schedules is None:
+                from .features.schedules import Schedules
+
+                self._schedules = Schedules(lookup=self.actors.get, where=lambda _: (self.database, self.statements))
+            return self._schedules
+
     # -- the parts of this process ----------------------------------------------
     @property
     def parts(self) -> ProcessParts:
@@ -249,8 +277,9 @@ class PostgresBroker(
                         self.logger,
                         on_dead=self._remember_dead,
                         writer=self.consumer_id,
-                        schedules=self.schedules,
+                        schedules=lambda: self.schedules,
                         row=self.enqueuer.row,
+                        observers=self.outcome_observers,
                     )
         return parts
 
@@ -329,6 +358,7 @@ class PostgresBroker(
             stored_exception=self.stored_exception,
             turns=parts.turns if self.listen else None,
             answered=parts.answered if self.listen else None,
+            fair=queue_name in self.fair_shares.queues,
         )
 
     def start_scheduler(self) -> bool:
@@ -336,7 +366,7 @@ class PostgresBroker(
 
         Workers call it as they start consuming (unless ``run_schedules=False``).
         """
-        if not len(self.schedules):
+        if self._schedules is None or not len(self._schedules):
             return False
         self.parts.scheduler.start()
         return True
@@ -470,18 +500,23 @@ class PostgresBroker(
             time.sleep(interval / 1000)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this process, totals from the database, queue sizes, and every stored schedule
-        (next and last tick, the last tick's message; see :func:`.schedules.overview`); the database's
-        figures from the :attr:`reader` (a replica, with ``read_url``)."""
+        """Counters of this process, totals from the database, queue sizes, every stored schedule
+        (next and last tick, the last tick's message; see :func:`.schedules.overview`) and, per queue
+        with keyed messages due, its top fairness keys (``fair_keys``: see :func:`.admin.fair_keys`);
+        the database's figures from the :attr:`reader` (a replica, with ``read_url``)."""
         parts = self._parts if self._parts is not None and self._parts.pid == os.getpid() else None
         local = parts.stale.counts() if parts is not None else {}
         local["duplicate_sends"] = self.enqueuer.duplicates
         local["interrupts"] = parts.interrupter.interrupts if parts is not None else 0
         held = len(parts.leases.snapshot()) if parts is not None else 0
-        local["scheduled_ticks"] = parts.scheduler.enqueued if parts is not None else 0
+        local["scheduled_ticks"] = parts.scheduled_ticks if parts is not None else 0
         totals, queues = admin.queue_counts(self.reader, self.statements)
+        from .features.schedules import overview as schedule_overview
+
         schedules = schedule_overview(self.reader, self.statements)
-        return {"process": {**local, "held": held}, "totals": totals, "queues": queues, "schedules": schedules}
+        fair = admin.fair_keys(self.reader, self.statements)
+        return {"process": {**local, "held": held}, "totals": totals, "queues": queues, "schedules": schedules,
+                "fair_keys": fair}  # fmt: skip
 
 
 def _new_consumer_id() -> str:
@@ -489,4 +524,11 @@ def _new_consumer_id() -> str:
     return f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-__all__ = ["PostgresBroker", "CancelOutcome", "MessageProxy"]
+def __getattr__(name: str) -> Any:
+    """``CancelOutcome``, as before, from the operators' code that defines it, imported on first use."""
+    if name == "CancelOutcome":
+        return admin.CancelOutcome
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["PostgresBroker", "CancelOutcome", "MessageProxy"]  # noqa: F822 (CancelOutcome: __getattr__)

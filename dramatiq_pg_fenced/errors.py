@@ -34,6 +34,10 @@ class UniqueOptionError(MiddlewareError, ValueError):
     """
 
 
+class FairnessOptionError(MiddlewareError, ValueError):
+    """An actor declared with a ``fairness_key`` or ``fairness_weight`` the broker cannot use (fairness.py)."""
+
+
 class NestedSendError(BrokerError, RuntimeError):
     """Two blocks that decide where a send goes are nested in a way that would break one of them:
     ``with_ack()`` inside ``broker.transaction(conn)`` would send with the ack whether or not the
@@ -146,7 +150,7 @@ def describe_failure(error: BaseException, where: str = "") -> str:
 def key_taken_meanwhile(error: BaseException) -> bool:
     """A row going back to the queue met a send that took its unique key while the statement ran.
 
-    The statement takes the key back only if no other row holds it (sql.py,
+    The statement takes the key back only if no other row holds it (db/queries/,
     ``_retake``), but a holder that commits after the statement's snapshot is
     seen only by the index.  Written again, the statement sees the holder and
     moves the row without its key.

@@ -44,10 +44,10 @@ from typing import Any
 
 from dramatiq.middleware import GroupCallbacks, Middleware, SkipMessage
 
-from . import delivery
-from .delivery import PostgresMessageProxy
-from .interrupt import interruptible, with_throws
-from .startup import StartupError
+from .core import delivery
+from .core.delivery import PostgresMessageProxy
+from .core.interrupt import interruptible, with_throws
+from .db.startup import StartupError
 
 #: How a ``dramatiq`` worker process ends when its broker fails at start-up (``dramatiq.cli.RET_CONNECT``).
 EXIT_BROKER_FAILED = 3
@@ -120,6 +120,7 @@ class FencedDelivery(Middleware):
         reason = broker.why_not_start(message)
         if reason is not None:
             delivery.start(None)
+            message.not_started = reason
             raise SkipMessage(f"message {message.message_id} (attempt {message.attempt}) does not start: {reason}")
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None, exception: Any = None) -> None:

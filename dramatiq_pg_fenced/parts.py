@@ -9,28 +9,32 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.results import Results
 
-from . import delivery
 from .config import Settings
-from .consumer import LookBack, LostClaims
-from .database import Database
-from .delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
-from .fencing import StaleWrites, Write
-from .interrupt import Interrupter
-from .leases import CancelWatch, LeaseKeeper, Leases, StartGate
-from .maintenance import Maintenance
-from .outcomes import OutcomeWriter
-from .processes import Heartbeat
-from .schedules import Scheduler, Schedules
-from .sql import Statements
-from .turns import Answered, Turns
+from .core import delivery
+from .core.consumer import LookBack, LostClaims
+from .core.delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
+from .core.fencing import OutcomeObserver, StaleWrites, Write
+from .core.interrupt import Interrupter
+from .core.leases import CancelWatch, LeaseKeeper, Leases, StartGate
+from .core.maintenance import Maintenance
+from .core.outcomes import OutcomeWriter
+from .core.processes import Heartbeat
+from .core.turns import Answered, Turns
+from .db.database import Database
+from .db.statements import Statements
+
+if TYPE_CHECKING:
+    from .features.scheduler import Scheduler
+    from .features.schedules import Schedules
 
 
 class ProcessParts:
@@ -47,11 +51,12 @@ class ProcessParts:
         *,
         on_dead: Callable[[str, BaseException | None], None],
         writer: str,
-        schedules: Schedules,
+        schedules: Callable[[], Schedules],
         row: Callable[[Message, int | None], Row],
+        observers: list[OutcomeObserver] | None = None,
     ) -> None:
         self.pid = os.getpid()
-        self.stale = StaleWrites(statements, logger)
+        self.stale = StaleWrites(statements, logger, observers)
         self.leases = Leases()
         self.lost_claims = LostClaims()
         self.look_back = LookBack()
@@ -79,15 +84,37 @@ class ProcessParts:
         self.writer = OutcomeWriter(
             database, statements, settings, self.leases, self.stale, logger, on_dead=on_dead, writer=writer
         )
-        self.scheduler = Scheduler(schedules, database, statements, settings, logger, row=row)
+        self._scheduler_parts = (schedules, database, statements, settings, logger, row)
+        self._scheduler: Scheduler | None = None
+        self._scheduler_lock = threading.Lock()
         self.consumers = 0  #: consumers made in this process (each gets an id of its own)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """This process's scheduler, made (and its module imported) when first asked for: by a worker
+        with schedules to run (:meth:`~.broker.PostgresBroker.start_scheduler`)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                from .features.scheduler import Scheduler
+
+                schedules, database, statements, settings, logger, row = self._scheduler_parts
+                self._scheduler = Scheduler(schedules(), database, statements, settings, logger, row=row)
+            return self._scheduler
+
+    @property
+    def scheduled_ticks(self) -> int:
+        """Ticks this process's scheduler enqueued (0 if it was never made)."""
+        scheduler = self._scheduler
+        return 0 if scheduler is None else scheduler.enqueued
 
     def close(self, timeout: float = 10.0) -> None:
         """Write the pending outcomes (the keeper still extends their leases meanwhile), then end the
         chores, waiting at most *timeout* seconds for the ticks under way (all at once, not in turn)."""
-        self.scheduler.halt()
+        scheduler = self._scheduler  # none if never asked for
+        if scheduler is not None:
+            scheduler.halt()
         self.writer.stop(timeout)
-        chores = (self.scheduler, self.keeper, self.cancel_watch, self.maintenance)
+        chores = [c for c in (scheduler, self.keeper, self.cancel_watch, self.maintenance) if c is not None]
         for chore in chores:
             chore.halt()
         deadline = time.monotonic() + timeout

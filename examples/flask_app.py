@@ -1,6 +1,7 @@
 """A Flask application: an order and its confirmation commit together (SQLAlchemy session, outbox),
 and the dashboard at /ops/queues/ for logged-in operators only.
 
+    pip install -e '.[frameworks]'       # from a checkout: Flask, SQLAlchemy
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test OPS_PASSWORD=... flask --app examples/flask_app run
     dramatiq examples.flask_app          # a worker, in another shell
 

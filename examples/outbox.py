@@ -2,6 +2,7 @@
 
 Run it against a local PostgreSQL::
 
+    pip install -e .                     # from a checkout: the package alone
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python examples/outbox.py
 
 It creates its own schema (``outbox_demo``), places two orders (one of

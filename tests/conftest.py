@@ -17,6 +17,7 @@ import dramatiq
 import dramatiq.broker
 import psycopg
 import pytest
+from failure_report import on_failure, process_log, schema_rows, sections
 from pgbouncer import PgBouncer
 from pgbouncer import binary as pgbouncer_binary
 from psycopg import sql
@@ -38,6 +39,36 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` (seconds each: worker processes, outages, the model runs) first, the
+    others in their order after them: pytest-xdist hands tests out in this order, so the long ones
+    start at once and the short ones fill the workers' ends, rather than one long test starting last
+    and the run waiting for it alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failing test's report gets the sections its fixtures registered (failure_report.on_failure):
+    the logs of the worker processes, the rows of their schemas, read before the teardown."""
+    report = yield
+    if report.failed:
+        for title, text in sections(item):
+            report.sections.append((f"on failure: {title}", text))
+    # A pytest-xdist worker sends its reports as UTF-8: a lone surrogate in a captured log (the bad
+    # outcomes tests log error texts PostgreSQL cannot store) crashed the worker, and the run.
+    report.sections = [(name, _utf8(text)) for name, text in report.sections]
+    return report
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode(errors="backslashreplace").decode()
+    return text
+
+
 @pytest.fixture(autouse=True)
 def _restore_dramatiq_globals() -> Iterator[None]:
     """Tests set the global broker and encoder; put them back afterwards."""
@@ -48,15 +79,19 @@ def _restore_dramatiq_globals() -> Iterator[None]:
 
 
 @pytest.fixture
-def dramatiq_cli(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+def dramatiq_cli(
+    dramatiq_pg_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., subprocess.Popen]]:
     """``start(broker, module, *args)``: the real ``dramatiq`` CLI on *broker*'s schema.
 
     The app module reads ``DRAMATIQ_PG_URL`` and ``DRAMATIQ_PG_SCHEMA``.  Output
     goes to ``proc.log_path`` (a file, so a chatty worker never blocks on a
     pipe).  The CLI runs in its own process group, killed at teardown if the
-    test left it running.
+    test left it running.  If the test fails, its report shows each CLI's log
+    and the rows of each schema a CLI ran on.
     """
     started: list[subprocess.Popen] = []
+    schemas: set[str] = set()
 
     def start(broker: PostgresBroker, module: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, DRAMATIQ_PG_URL=dramatiq_pg_url, DRAMATIQ_PG_SCHEMA=broker.schema, PYTHONUNBUFFERED="1")
@@ -72,6 +107,12 @@ def dramatiq_cli(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[...,
             )
         proc.log_path = log_path  # type: ignore[attr-defined]
         started.append(proc)
+        on_failure(
+            request.node, f"log of dramatiq {module} {' '.join(args)} ({log_path.name})", process_log(proc, log_path)
+        )
+        if broker.schema not in schemas:
+            schemas.add(broker.schema)
+            on_failure(request.node, f"rows of schema {broker.schema}", schema_rows(dramatiq_pg_url, broker.schema))
         return proc
 
     yield start

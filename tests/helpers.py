@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +44,51 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "c
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def stop_process(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP *pid* and return once every thread of it is stopped.
+
+    ``kill()`` returns before the stop takes hold: each thread stops at its
+    next return from the kernel, and one on another (virtual) CPU may go on a
+    while (a CI run saw a stopped worker claim two messages after the call).
+    A test whose next step counts on the process being frozen waits for it here."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return True  # gone: it does nothing either
+        states = []
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended
+        return all(state in ("T", "t", "Z", "X") for state in states)
+
+    wait_for(stopped, timeout, f"process {pid} to stop")
+
+
+def once_reachable(call: Callable[[], Any], timeout: float = 30.0, what: str = "the server") -> Any:
+    """*call*'s result, made again while it is refused as unreachable (``ConnectionClosed``).
+
+    After a server's return, this process goes on knowing it unreachable until a connection
+    attempt of its own succeeds (the pool tries every ``reconnect.RETRY_INTERVAL``); meanwhile the
+    application's calls are refused at once, without waiting (database.py, ``ServerDown``).  A
+    test that restarts a server and calls at once waits here for the process to see it back."""
+    from dramatiq.errors import ConnectionClosed
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except ConnectionClosed:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def clear_of_idle_polls(broker: PostgresBroker, queue_name: str, every: float, seconds: float) -> None:

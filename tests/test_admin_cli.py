@@ -20,7 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.cli import main
+from dramatiq_pg_fenced.cli.command import main
 
 
 def cli(url, *args):
@@ -102,10 +102,13 @@ def test_cancel_and_inspect(dramatiq_pg_url, dramatiq_pg_broker):
     assert dramatiq_pg_broker.inspect(message.message_id)["state"] == "queued"
 
 
-def test_compact_gives_back_what_a_drained_backlog_left(dramatiq_pg_url, dramatiq_pg_broker):
+def test_compact_gives_back_what_a_drained_backlog_left(own_data):
     """After 20,000 messages come and go, the table and its indexes hold several MB; compact (run
-    while a message waits, so it must keep it) brings them back near an empty table's size."""
-    broker = dramatiq_pg_broker
+    while a message waits, so it must keep it) brings them back near an empty table's size.  In a
+    database of its own: a snapshot held by a test running beside this one (another pytest-xdist
+    worker) holds back the cleanup of its own database only, and would keep the dead rows here."""
+    dramatiq_pg_url = own_data.url
+    broker = PostgresBroker(dramatiq_pg_url, listen=False)
     schema = broker.schema
     broker.declare_queue("default")
 
@@ -133,8 +136,22 @@ def test_compact_gives_back_what_a_drained_backlog_left(dramatiq_pg_url, dramati
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["bytes_before"] == drained
-    assert report["bytes_after"] < empty + 200_000, (empty, report)
+
+    def compacted() -> bool:
+        """A snapshot taken while the deletes ran (an autovacuum ANALYZE of this database, say: a CI
+        run kept 7 of 10 MB) keeps the rows deleted after it: compact keeps what it may not remove,
+        and gives it back when run again once that snapshot is gone."""
+        nonlocal report
+        if report["bytes_after"] < empty + 200_000:
+            return True
+        again = cli(dramatiq_pg_url, "--schema", schema, "compact")
+        assert again.returncode == 0, again.stderr
+        report = json.loads(again.stdout)
+        return report["bytes_after"] < empty + 200_000
+
+    wait_for(compacted, 60, f"compact to bring the table near its empty size ({empty:,} bytes)")
     assert broker.inspect(kept.message_id)["state"] == "queued"
+    broker.close()
 
 
 def test_compact_gives_up_on_a_busy_table_rather_than_block_it(dramatiq_pg_url, dramatiq_pg_broker):

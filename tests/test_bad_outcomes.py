@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced.features.results import PostgresBackend
 
 
 def refuse(broker: PostgresBroker, table: str, when: str, events: str = "INSERT OR UPDATE") -> None:
@@ -242,7 +242,7 @@ def test_a_retry_that_cannot_be_encoded_is_dead_lettered(broker: PostgresBroker)
 
 # -- making text storable -----------------------------------------------------------------------
 def test_storable_text_examples() -> None:
-    from dramatiq_pg_fenced.outcomes import MAX_ERROR_BYTES, storable_text
+    from dramatiq_pg_fenced.core.outcomes import MAX_ERROR_BYTES, storable_text
 
     assert storable_text(None) is None
     assert storable_text("plain") == "plain"
@@ -258,7 +258,7 @@ def test_storable_text_examples() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.characters(codec=None), max_size=300), st.integers(min_value=64, max_value=400))
 def test_storable_text_is_always_storable(text: str, limit: int) -> None:
-    from dramatiq_pg_fenced.outcomes import storable_text
+    from dramatiq_pg_fenced.core.outcomes import storable_text
 
     out = storable_text(text, limit)
     assert out is not None

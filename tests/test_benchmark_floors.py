@@ -47,6 +47,8 @@ def test_floors_measure_each_step_and_leave_no_schema(dramatiq_pg_url: str) -> N
     assert floor["import_s"]["postgres"] > 0 and floor["import_s"]["ours"] > 0
     # pika and redis come with the bench extra; without it their import floors are None, not a failure
     assert all(v is None or v > 0 for v in floor["import_s"].values())
+    assert set(floor["import_cpu_s"]) == set(run.IMPORTS)
+    assert floor["import_cpu_s"]["postgres"] > 0 and floor["import_cpu_s"]["ours"] > 0
     assert set(_floor_schemas(dramatiq_pg_url)) == before
 
 
@@ -70,3 +72,25 @@ def test_the_targets_take_their_bounds_from_the_floors() -> None:
     assert rows["single send vs Redis (ours durable)"]["bound"] == pytest.approx(0.7)
     assert rows["idle latency p50 vs RabbitMQ"]["bound"] == pytest.approx(1.2)
     assert rows["idle latency p50 vs RabbitMQ"]["value"] == pytest.approx(2.0)
+
+
+def test_the_import_target_is_ours_over_the_least_a_psycopg_broker_imports() -> None:
+    out = {"brokers": {}, "floors": {"import_s": {}, "import_cpu_s": {"postgres": 0.2, "ours": 0.21}}}
+    rows = {r["target"]: r for r in run.targets(out, TINY)}
+    row = rows["import dramatiq_pg_fenced vs its floor (dramatiq, psycopg, psycopg_pool), CPU"]
+    assert row["value"] == pytest.approx(1.05) and row["met"] and row["bound"] == 1.0
+
+
+def test_the_benchmark_byte_compiles_every_module_of_the_package() -> None:
+    """Given an environment that writes no bytecode (PYTHONDONTWRITEBYTECODE), I expect every module of the
+    package compiled before workers start, those of its folders (core/, db/, ...) too: else each worker
+    compiles them from source at start-up, which no user of the installed wheel pays."""
+    import importlib.util
+
+    run.compile_sources()
+    missing = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "dramatiq_pg_fenced").rglob("*.py")
+        if not Path(importlib.util.cache_from_source(str(path))).exists()
+    ]
+    assert missing == []

@@ -218,9 +218,9 @@ def test_a_cancelled_message_whose_actor_still_runs_says_so_until_it_ends(
     re-drive is refused; when the actor ends, the message is cancelled like any other, and re-drivable."""
     from test_dashboard import call
 
-    from dramatiq_pg_fenced import admin
-    from dramatiq_pg_fenced.cli import main
+    from dramatiq_pg_fenced.cli.command import main
     from dramatiq_pg_fenced.dashboard import dashboard_app
+    from dramatiq_pg_fenced.ops import admin
 
     started, go = threading.Event(), threading.Event()
 

@@ -18,8 +18,9 @@ from dramatiq.results import ResultFailure, ResultMissing, Results
 from helpers import running_worker, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, rate_limits
-from dramatiq_pg_fenced.outcomes import OutcomeWriter
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core.outcomes import OutcomeWriter
+from dramatiq_pg_fenced.features import rate_limits
 from dramatiq_pg_fenced.results import PostgresBackend, setup
 
 App = Callable[..., tuple[PostgresBroker, PostgresBackend]]

@@ -9,7 +9,8 @@ import dramatiq
 import pytest
 from helpers import query, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker, bulk
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.ops import bulk
 
 
 def message(queue: str, actor: str = "job", *args: object, **kwargs: object) -> dramatiq.Message:

@@ -4,13 +4,16 @@ minute by one process at a time, kept a day."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
+from typing import Any
 
 import dramatiq
 import psycopg
 import pytest
 from helpers import query
 
-from dramatiq_pg_fenced import PostgresBroker, charts
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import maintenance, samples
 
 
 def message(queue: str) -> dramatiq.Message:
@@ -27,16 +30,17 @@ def early_in_a_minute(broker: PostgresBroker) -> None:
 
 def sample(broker: PostgresBroker) -> bool:
     with broker.database.connection() as conn:
-        return charts.take_sample(conn, broker.statements)
+        return samples.take_sample(conn, broker.statements)
 
 
 def test_series_per_minute_from_the_tallies_and_the_samples_over_an_hour_and_a_day(
     dramatiq_pg_broker: PostgresBroker, dramatiq_pg_worker: dramatiq.Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broker = dramatiq_pg_broker
-    monkeypatch.setattr(charts, "SAMPLE_EVERY", float("inf"))  # the worker's loop samples no more: the test does
+    monkeypatch.setattr(samples, "SAMPLE_EVERY", float("inf"))  # the worker's loop samples no more: the test does
+    # nor purges: a purge between the shift below and the test's sample took the tallies before they were copied
+    monkeypatch.setattr(maintenance, "PURGE_EVERY", float("inf"))
     query(broker, "DELETE FROM {schema}.queue_minute")  # (one it may have taken already)
-    early_in_a_minute(broker)
 
     @dramatiq.actor(queue_name="ch", max_retries=1, min_backoff=1, max_backoff=1)
     def job(fail: bool) -> None:
@@ -57,16 +61,26 @@ def test_series_per_minute_from_the_tallies_and_the_samples_over_an_hour_and_a_d
     # When a process takes this minute's sample (another one finds it taken)
     assert sample(broker) is True
     assert sample(broker) is False
-    # Then the hour's series has 60 minutes, this one last, with its outcomes and its depth
+    # Then the hour's series has 60 minutes, with its outcomes and its depth at their minutes: the tallies'
+    # (one, or two if a minute began while the messages ran) and the sample's (this one, or the one
+    # before if a minute began since: found by value, not as the last point)
+    ((taken,),) = query(broker, "SELECT max(minute) FROM {schema}.queue_minute")
+    tallied = [m for (m,) in query(broker, "SELECT DISTINCT minute FROM {schema}.throughput WHERE queue_name = 'ch'")]
+
+    def outcomes(series: Any, minutes: list[Any]) -> tuple[int, int, int]:
+        at = [series.minutes.index(m) for m in minutes]
+        return tuple(sum(getattr(series, name)[i] for i in at) for name in ("finished", "failed", "retried"))  # type: ignore[return-value]
+
     hour = broker.series(queue="ch")
     assert len(hour.minutes) == len(hour.finished) == len(hour.due) == 60
-    assert (hour.finished[-1], hour.failed[-1], hour.retried[-1]) == (3, 1, 1)
-    assert sum(hour.finished) == 3 and hour.due[-1] == 0 and hour.due[0] is None
+    s = hour.minutes.index(taken)
+    assert outcomes(hour, tallied) == (3, 1, 1)
+    assert sum(hour.finished) == 3 and hour.due[s] == 0 and hour.due[0] is None
     other = broker.series(queue="other")
-    assert other.due[-1] == 2 and 99 < other.oldest_due_seconds[-1] < 200 and sum(other.finished) == 0
+    assert other.due[s] == 2 and 99 < other.oldest_due_seconds[s] < 200 and sum(other.finished) == 0
     overall = broker.series()
-    assert (overall.finished[-1], overall.failed[-1], overall.due[-1]) == (3, 1, 2)
-    assert overall.oldest_due_seconds[-1] == other.oldest_due_seconds[-1]
+    assert outcomes(overall, tallied)[:2] == (3, 1) and overall.due[s] == 2
+    assert overall.oldest_due_seconds[s] == other.oldest_due_seconds[s]
     day = broker.series(span="day")
     assert len(day.minutes) == 1440 and day.minutes[-1] == hour.minutes[-1] and sum(day.finished) == 3
 
@@ -76,11 +90,11 @@ def test_series_per_minute_from_the_tallies_and_the_samples_over_an_hour_and_a_d
     assert sample(broker) is True  # copies the tallies' minute that is over, then they go
     broker.parts.maintenance.purge()
     assert query(broker, "SELECT count(*) FROM {schema}.throughput") == [(0,)]
-    # Then the day's series still has them, at their minute, from the samples alone
+    # Then the day's series still has them, at their minutes, from the samples alone
     day = broker.series(queue="ch", span="day")
-    at = len(day.minutes) - 1 - 180
-    assert (day.finished[at], day.failed[at], day.retried[at]) == (3, 1, 1)
-    assert sum(day.finished) == 3 and day.due[at] == 0
+    three_hours = timedelta(hours=3)
+    assert outcomes(day, [m - three_hours for m in tallied]) == (3, 1, 1)
+    assert sum(day.finished) == 3 and day.due[day.minutes.index(taken - three_hours)] == 0
     assert broker.series(queue="ch").finished == [0] * 60  # not in the last hour
 
     # And samples older than a day are purged

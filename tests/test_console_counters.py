@@ -6,7 +6,8 @@ from __future__ import annotations
 import dramatiq
 from helpers import query
 
-from dramatiq_pg_fenced import PostgresBroker, metrics
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.ops import metrics
 
 
 def scrape(broker: PostgresBroker) -> str:

@@ -15,8 +15,10 @@ import pytest
 from helpers import query, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, metrics, processes
-from dramatiq_pg_fenced.leases import Leases
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import processes
+from dramatiq_pg_fenced.core.leases import Leases
+from dramatiq_pg_fenced.ops import metrics
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +159,7 @@ def test_a_process_is_stale_after_three_of_its_own_heartbeat_intervals(dramatiq_
         with broker.database.connection() as conn:
             conn.execute(broker.statements.process_beat, {
                 "id": f"h:1:{name}", "host": "h", "pid": 1, "queues": ["q"], "threads": 1, "busy": 1, "prefetched": 0,
-                "per_queue": '{"q": [1, 0]}', "running": [], "version": "x", "beat_seconds": every,
+                "per_queue": '{"q": [1, 0]}', "running": [], "running_since": [], "version": "x", "beat_seconds": every,
             })  # fmt: skip
     query(broker, "UPDATE {schema}.process SET heartbeat_at = now() - interval '100 s'")
     # Then only the one that missed three of its heartbeats is stale, and only the other's counts are believed

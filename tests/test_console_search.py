@@ -9,8 +9,10 @@ import uuid
 import dramatiq
 import pytest
 from helpers import query
+from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, search
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.ops import search
 
 
 def message(queue: str, actor: str, *args: object, **kwargs: object) -> dramatiq.Message:
@@ -148,3 +150,58 @@ def test_a_message_with_a_nul_in_its_arguments_is_found_and_does_not_break_a_sea
                                                                              literal.message_id}  # fmt: skip
     assert [r["message_id"] for r in broker.search(args=["plain"]).rows] == [plain.message_id]
     assert [r["message_id"] for r in broker.search(args=["\\u0000"]).rows] == [literal.message_id]
+
+
+def test_a_plain_value_finds_the_messages_one_of_whose_arguments_holds_it_as_people_type_it(
+    dramatiq_pg_broker: PostgresBroker, messages: dict[str, list[dramatiq.Message]]
+) -> None:
+    """Given messages whose arguments hold strings, numbers and ids at any depth, I expect a plain value to
+    find those with an argument (positional, or a keyword's value, never its name) equal to it: as a string,
+    or as a number when it reads as one (42 matches 42, 42.0 and "42"; 42.0 the numbers; "42" quoted only
+    the string)."""
+    broker = dramatiq_pg_broker
+    nested = message("s", "greet", "alice", {"to": ["bob", 42.0]}, order="7f3c-ab")
+    text = message("s", "greet", "42", note="café", flag=True)
+    keyed = message("s", "greet", alice=1)  # "alice" is a keyword's name here, not a value
+    odd = message("s", "greet", 4.2e1, "1e400")
+    broker.enqueue_many([nested, text, keyed, odd])
+    found = lambda **f: sorted(r["message_id"] for r in every_page(broker, **f)[0])  # noqa: E731
+    ids = lambda *ms: sorted(m.message_id for m in ms)  # noqa: E731
+    assert found(value="alice") == ids(nested)
+    assert found(value="bob") == ids(nested)
+    assert found(value="7f3c-ab") == ids(nested)
+    assert found(value="42") == ids(nested, text, odd)
+    assert found(value="42.0") == ids(nested, odd)  # numbers only: the text is not "42"
+    assert found(value='"42"') == ids(text)
+    assert found(value="café") == ids(text)
+    assert found(value="true") == ids(text)
+    assert found(value="4.2e1") == ids(nested, odd)
+    assert found(value="1e400") == ids(odd)
+    assert found(value="ali") == []
+    # the other filters still narrow it, the history included
+    assert found(value="7", state="done") == ids(*messages["done"])
+    evens = [m for m in messages["queued"] if m.args[0] % 2 == 0]
+    assert found(value="7", queue="s", state="queued") == ids(messages["queued"][7], *evens)
+    assert found(value="203") == ids(messages["done"][3])
+    # a bulk action selects by it too
+    assert broker.bulk_preview("cancel", value="alice").count == 1
+    with pytest.raises(ValueError, match="NUL"):
+        broker.search(value="a\x00b")
+
+
+def test_a_search_by_argument_planned_in_parallel_does_not_fail(
+    dramatiq_pg_broker: PostgresBroker, messages: dict[str, list[dramatiq.Message]]
+) -> None:
+    """Given a server that plans the argument filter as a parallel scan (as it does on a large table), I
+    expect the search's statement to answer, not "cannot start subtransactions during a parallel
+    operation" (message_arguments' EXCEPTION block)."""
+    broker = dramatiq_pg_broker
+    statement = sql.SQL("SELECT count(*) FROM {schema}.message WHERE {schema}.message_arguments(payload) @> %s::jsonb")
+    with broker.database.connection() as conn, conn.transaction():
+        # force_parallel_mode was renamed debug_parallel_query in PostgreSQL 16 (the embedded server is newer)
+        force = "debug_parallel_query" if conn.info.server_version >= 160000 else "force_parallel_mode"
+        for setting, value in ((force, "on"), ("parallel_setup_cost", "0"),
+                               ("min_parallel_table_scan_size", "0")):  # fmt: skip
+            conn.execute("SELECT set_config(%s, %s, true)", [setting, value])
+        (n,) = conn.execute(statement.format(schema=sql.Identifier(broker.schema)), ['{"kwargs": {"user": 7}}']).fetchone()
+    assert n == 16

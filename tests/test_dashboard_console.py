@@ -22,12 +22,14 @@ import dramatiq
 from helpers import Factory, query
 from test_dashboard import call, chrome, some_messages, state  # noqa: F401 (chrome: the fixture)
 
-from dramatiq_pg_fenced import PostgresBroker, charts
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import samples
 from dramatiq_pg_fenced.dashboard import Dashboard, dashboard_app, make_dashboard_server, svg
 from dramatiq_pg_fenced.dashboard.guards import SESSION_COOKIE, Sessions
 from dramatiq_pg_fenced.dashboard.render import static_name
 from dramatiq_pg_fenced.dashboard.schedule_pages import missed_between
-from dramatiq_pg_fenced.schedules import Scheduler, Timing
+from dramatiq_pg_fenced.features.scheduler import Scheduler
+from dramatiq_pg_fenced.features.schedules import Timing
 
 UTC = timezone.utc
 
@@ -50,23 +52,50 @@ def screenshot(driver: Any, name: str) -> None:
         driver.save_screenshot(str(Path(where) / name))
 
 
+def replaced(error: BaseException) -> bool:
+    """Whether *error* says the element, or its whole document, was replaced between a find and a use.
+
+    A live update replaces an element (stale reference); a click that submits a form replaces the
+    document, and a read that lands while it does is refused by Chromium with "Node with given id does
+    not belong to the document" (a plain WebDriverException): both mean "find it again"."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+    if isinstance(error, StaleElementReferenceException):
+        return True
+    return isinstance(error, WebDriverException) and "does not belong to the document" in (error.msg or "")
+
+
 def wait(driver: Any, what: Callable[[], bool], timeout: float = 15) -> None:
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.support.ui import WebDriverWait
+    """Until *what* is true, *timeout* seconds at most.  An element *what* reads may be replaced (a live
+    update, the page a click leads to) or not there yet (that page still loading): read again.  At the
+    deadline *what* runs once more, so that a failure shows its own error."""
+    from selenium.common.exceptions import NoSuchElementException
 
-    # An element found by *what* may be replaced by a live update before it is read: read again.
-    WebDriverWait(driver, timeout, ignored_exceptions=[StaleElementReferenceException]).until(lambda _: what())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if what():
+                return
+        except NoSuchElementException:
+            pass
+        except Exception as error:
+            if not replaced(error):
+                raise
+        time.sleep(0.05)
+    assert what(), f"not true within {timeout} s"
 
 
-def fresh(action: Callable[[], Any], tries: int = 20) -> Any:
+def fresh(action: Callable[[], Any], timeout: float = 30.0) -> Any:
     """*action* (a find and a use of an element) again if a live update replaced the element in between:
-    a page stops updating once a control is changed, not between the test's find and its click."""
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    for _ in range(tries - 1):
+    a page stops updating once a control is changed, not between the test's find and its click.  Until
+    *timeout* seconds, not a number of tries: under load one try may outlast several updates."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
             return action()
-        except StaleElementReferenceException:
+        except Exception as error:
+            if not replaced(error):
+                raise
             time.sleep(0.05)
     return action()
 
@@ -193,7 +222,7 @@ def beat(broker: PostgresBroker, process_id: str, busy: int, prefetched: int, qu
     host, pid, _ = process_id.split(":")
     row = {"id": process_id, "host": host, "pid": int(pid), "queues": [queue], "threads": 4, "busy": busy,
            "prefetched": prefetched, "per_queue": json.dumps({queue: [busy, prefetched]}), "version": "9.9",
-           "running": [], "beat_seconds": 10}  # fmt: skip
+           "running": [], "running_since": [], "beat_seconds": 10}  # fmt: skip
     broker.database.run(lambda conn: conn.execute(broker.statements.process_beat, row))
 
 
@@ -219,7 +248,7 @@ def test_running_and_prefetched_are_shown_apart_and_stale_processes_marked(drama
         status, _, page = call(app, "/processes")
         assert status == "200 OK"
         assert "1 process alive: 1 busy of 4 threads, 2 prefetched" in page and "1 stale" in page
-        rows = page[page.index("class=processes") : page.index("</table>")].split("<tr>")[2:]
+        rows = page[page.index('class="processes cards"') : page.index("</table>")].split("<tr>")[2:]
         assert "web-1:4242:abc" in rows[0] and "alive" in rows[0] and "emails 1 / 2" in rows[0]
         assert "web-2:77:def" in rows[1] and "badge stale" in rows[1] and "5 min ago" in rows[1]
         assert len(rows) == 2 and "badge stale" not in rows[0]
@@ -251,14 +280,15 @@ def test_the_charts_page_draws_outcomes_depth_and_age_per_queue_and_overall(dram
     # The worker's maintenance may have sampled this minute already, before the last sends: sample anew.
     query(broker, "DELETE FROM {schema}.queue_minute")
     with broker.database.connection() as conn:
-        assert charts.take_sample(conn, broker.statements)
+        assert samples.take_sample(conn, broker.statements)
     app = dashboard_app(broker)
     status, _, page = call(app, "/charts")
     assert status == "200 OK" and "all queues: 1 finished, 1 failed (dead-lettered), 0 retried" in page
     for chart in ("outcomes", "depth", "age"):
         assert f'<svg class=chart viewBox="0 0 720 170" role=img aria-labelledby="{chart}-t" id="{chart}">' in page
     assert page.count("<polyline") == 3  # the outcomes over the hour; depth and age: one sample, a dot each
-    assert page.count("<circle") == 2
+    # (and the wait and run charts: the one message finished this hour, a dot per percentile)
+    assert page.count("<circle") == 2 + 6 and "Of the 1 messages finished in the last hour" in page
     _, _, page = call(app, "/charts?queue=reports&span=day")
     assert (
         "In the last day, queue reports: 0 finished, 0 failed" in page and "<option selected>reports</option>" in page
@@ -331,7 +361,7 @@ def test_a_bulk_action_says_how_many_it_touches_then_acts_and_is_audited(dramati
     # Asked first, with the count; nothing done yet
     status, _, page = call(app, "/bulk?action=redrive&scope=filter&queue=emails&state=dead")
     assert status == "200 OK"
-    assert "Re-drive 2 messages: the dead or cancelled ones of messages of queue emails, state dead?" in page
+    assert "Re-drive 2 dead messages of queue emails?" in page  # as the issue words it (issue 42)
     assert state(broker, m["dead"]) == state(broker, m["other"]) == "dead"
     form = hidden_form(page, "bulk")
     assert call(app, "/action", "POST", {**form, "confirm": "no"})[0].startswith("400")
@@ -354,7 +384,7 @@ def test_a_bulk_action_says_how_many_it_touches_then_acts_and_is_audited(dramati
     )
     # The audit log: who, what, on which selection, how many
     page = call(app, "/audit")[2]
-    rows = page[page.index("class=audit") : page.index("</table>")].split("<tr>")[2:]
+    rows = page[page.index('class="audit cards"') : page.index("</table>")].split("<tr>")[2:]
     assert len(rows) == 2 and "Cancel" in rows[0] and "Re-drive" in rows[1]
     assert "2 ids (" in rows[0] and "queue=&quot;emails&quot;, state=&quot;dead&quot;" in rows[1]
     assert "(no login)" in rows[0]
@@ -380,7 +410,7 @@ def test_the_audit_log_names_the_user_who_logged_in_and_a_delayed_message_can_ru
                           [later.message_id])  # fmt: skip
     assert due_now is True
     page = call(app, "/audit", cookie=cookie)[2]
-    assert "<td>alice</td>" in page and "Run now" in page
+    assert 'data-label="who">alice</td>' in page and "Run now" in page
     assert "id=run-now" not in call(app, f"/message/{later.message_id}", cookie=cookie)[2]  # due now: no button
 
 
@@ -530,15 +560,22 @@ def test_dark_mode_follows_the_system_and_a_phone_scrolls_tables_not_the_page(
         dark = d.execute_script(background)
         assert light == "rgb(246, 247, 249)" and dark == "rgb(18, 21, 27)"
         screenshot(d, "dashboard-dark.png")
-        # A phone: the viewport is the device's, the page never wider than it, the wide table scrolls inside
+        # A phone: the viewport is the device's, the page never wider than it; the queues' wide table scrolls
+        # inside its box, a list of messages is a card per message (render.html_table's cards)
         for dark_mode in (False, True):
             emulate(d, dark=dark_mode, width=390)
-            d.get(url + "/messages?queue=emails&state=dead")
+            d.get(url + "/")
             assert d.execute_script("return window.innerWidth") == 390
             assert d.execute_script("return document.documentElement.scrollWidth") <= 390
             wide = "const s = document.querySelector('.scroll'); return [s.scrollWidth, s.clientWidth]"
             inner, shown = d.execute_script(wide)
             assert inner > shown  # the table is wider than the phone: it scrolls in its box
+            d.get(url + "/messages?queue=emails&state=dead")
+            assert d.execute_script("return document.documentElement.scrollWidth") <= 390
+            inner, shown = d.execute_script(wide)
+            assert inner <= shown  # cards: nothing to scroll sideways
+            row = "return getComputedStyle(document.querySelector('table.messages tbody tr')).display"
+            assert d.execute_script(row) == "block"
             screenshot(d, f"dashboard-phone{'-dark' if dark_mode else ''}.png")
         emulate(d, dark=False)
 
@@ -643,9 +680,9 @@ def test_the_charts_page_in_a_browser(dramatiq_pg_broker: PostgresBroker, chrome
     with serving(dashboard_app(broker)) as url:
         d.get(url + "/charts?queue=emails")
         charts_shown = d.find_elements(By.CSS_SELECTOR, "svg.chart")
-        assert len(charts_shown) == 3 and all(c.size["width"] > 600 for c in charts_shown)
+        assert len(charts_shown) == 5 and all(c.size["width"] > 600 for c in charts_shown)  # (wait, run: 5 more)
         assert len(d.find_elements(By.CSS_SELECTOR, "#depth polyline")) == 2  # broken where no sample
-        screenshot(d, "dashboard-charts.png")
+        # (docs/dashboard-charts.png: test_console_timings.py's, with wait and run times)
 
 
 def test_an_update_never_undoes_a_filter_being_chosen(dramatiq_pg_broker: PostgresBroker, chrome: Any) -> None:  # noqa: F811
@@ -658,8 +695,13 @@ def test_an_update_never_undoes_a_filter_being_chosen(dramatiq_pg_broker: Postgr
         d.get(url + "/messages")
         wait(d, lambda: d.execute_script("return document.body.dataset.updates") is not None)  # it updates
         # Given a state chosen but not yet filtered, the focus elsewhere
-        fresh(lambda: Select(d.find_element(By.ID, "state")).select_by_visible_text("dead"))
-        d.find_element(By.TAG_NAME, "h1").click()
+        # (in one script: under load a find and a select through the driver took longer than the 0.25 s
+        # between two updates, and each try met an element an update had just replaced)
+        d.execute_script("""
+            var s = document.getElementById("state");
+            s.selectedIndex = Array.prototype.findIndex.call(s.options, function (o) { return o.text === "dead"; });
+            s.dispatchEvent(new Event("change", { bubbles: true }));""")
+        fresh(lambda: d.find_element(By.TAG_NAME, "h1").click())
         enqueue(broker)
         before = d.execute_script("return document.body.dataset.updates")
         time.sleep(1.5)  # six intervals

@@ -19,7 +19,7 @@ from helpers import Factory, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_DURABLE_OUTCOMES
-from dramatiq_pg_fenced.consumer import HEAD
+from dramatiq_pg_fenced.core.floor import HEAD
 
 FROM_HEAD = {"from_priority": HEAD[0], "from_at": HEAD[1], "from_seq": HEAD[2], "channel": "", "took": None}
 
@@ -103,8 +103,8 @@ def test_a_batch_of_acks_alone_is_one_fenced_statement(
     """The outcome writer writes acks without results or follow-ups as the ack statement alone (one
     round trip, its own transaction); an ack of a delivery fenced out meanwhile is counted as stale,
     after it, and the others apply."""
-    from dramatiq_pg_fenced.delivery import Outcome
-    from dramatiq_pg_fenced.fencing import Write
+    from dramatiq_pg_fenced.core.delivery import Outcome
+    from dramatiq_pg_fenced.core.fencing import Write
 
     broker = dramatiq_pg_broker_factory(keep_finished=keep_finished)
     broker.declare_queue("q")
@@ -152,8 +152,8 @@ def test_a_lone_ack_batch_whose_stale_count_fails_is_not_written_again(
 ) -> None:
     """The acks of a batch of acks alone commit before the fenced-out ones are counted: if counting
     fails, the batch is done (a retry would find the applied acks gone and call them stale)."""
-    from dramatiq_pg_fenced.delivery import Outcome
-    from dramatiq_pg_fenced.fencing import Write
+    from dramatiq_pg_fenced.core.delivery import Outcome
+    from dramatiq_pg_fenced.core.fencing import Write
 
     broker = dramatiq_pg_broker_factory(keep_finished=0)
     broker.declare_queue("q")
@@ -186,8 +186,8 @@ def test_a_lone_ack_batch_whose_reply_is_lost_is_written_again_without_a_stale_c
 ) -> None:
     """The ack statement commits, then the connection breaks before its reply arrives: the writer
     writes the batch again, finds the rows gone as its own ack left them, and counts nothing stale."""
-    from dramatiq_pg_fenced.delivery import Outcome
-    from dramatiq_pg_fenced.fencing import Write
+    from dramatiq_pg_fenced.core.delivery import Outcome
+    from dramatiq_pg_fenced.core.fencing import Write
 
     broker = dramatiq_pg_broker_factory(keep_finished=0)
     broker.declare_queue("q")

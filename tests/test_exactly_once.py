@@ -21,9 +21,10 @@ from dramatiq.results import Results
 from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.admin import CancelOutcome
+from dramatiq_pg_fenced.core import maintenance as maintenance_module
 from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError, NestedSendError
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced.features.results import PostgresBackend
+from dramatiq_pg_fenced.ops.admin import CancelOutcome
 
 
 def with_counter(broker: PostgresBroker) -> None:
@@ -245,8 +246,8 @@ def test_a_rescue_leaves_a_row_locked_by_an_open_block_alone(dramatiq_pg_broker_
 def test_a_committed_message_is_never_delivered_again_and_maintenance_finishes_a_dead_workers(
     dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Given a block that committed and a worker that then stops before its outcome writer finishes
-    the row (as if it died), its lease long past, I expect the rescue to leave it alone (it is done,
+    """Given a block that committed and a process that then stops extending its lease before its
+    outcome writer finishes the row (as if it died), its lease long past, I expect the rescue to leave it alone (it is done,
     not lost), a cancel to find it finished, maintenance to finish it into the history (without what
     the delivery caused after its block), and the worker's late outcome, when it comes, to write
     nothing and break nothing: the write applied once."""
@@ -265,6 +266,7 @@ def test_a_committed_message_is_never_delivered_again_and_maintenance_finishes_a
         message = pay.send("k")
         wait_for(committed.is_set, 30, "the block to commit")
         assert left(broker) == [("committed", 1)]
+        broker.parts.keeper.stop()  # as if its process died: nothing extends the committed row's lease
         query(broker, "UPDATE {schema}.message SET lease_expires_at = now() - interval '2 hours'")
         # The rescue finishes committed rows once per lease at most: the worker's own rescue, run by its
         # maintenance thread before the lease was set two hours back above, would leave this finish for later
@@ -459,6 +461,7 @@ def test_join_waits_for_a_dead_workers_committed_row_until_maintenance_finishes_
         assert next(consumer) is not None
     finally:
         consumer.close()  # its writer gone: as a worker that died after its block committed
+    broker.parts.keeper.stop()  # and its lease keeper: nothing extends the committed row's lease
     # Its lease ran out, but not ten leases ago: no rescue finishes it yet (this process's own included).
     query(broker, "UPDATE {schema}.message SET state = 'committed', lease_expires_at = now() - interval '1 minute'")
     with pytest.raises(QueueJoinTimeout):
@@ -468,3 +471,199 @@ def test_join_waits_for_a_dead_workers_committed_row_until_maintenance_finishes_
     assert broker.parts.maintenance.rescue() == 0  # finished, not taken back
     broker.join("q", timeout=5_000)
     assert left(broker) == []
+
+
+def finish_passes(broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the passes of the process's own maintenance that tried to finish committed rows (at most
+    one per lease); returns the list the count is kept in (its length)."""
+    maintenance = broker.parts.maintenance
+    passes: list[int] = []
+    rescue = maintenance.rescue
+
+    def counted(full: bool = True) -> int:
+        before = maintenance._last_finish
+        taken = rescue(full=full)
+        if maintenance._last_finish != before:
+            passes.append(1)
+        return taken
+
+    monkeypatch.setattr(maintenance, "rescue", counted)
+    return passes
+
+
+def test_an_actor_that_runs_on_for_leases_after_its_block_keeps_its_row_and_what_it_causes(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a pipeline whose first step commits its block and then runs on for several leases (its
+    process alive, its maintenance running every pass meanwhile, a grace of one lease), I expect its
+    lease keeper to keep the committed row, ``join()`` to wait for it, and, once the actor returns,
+    its result stored, the next step run with it, and the row finished by its own outcome: no
+    stale write, no maintenance finish."""
+    monkeypatch.setattr(maintenance_module, "COMMITTED_GRACE_LEASES", 1)  # ten leases: a test of 12 s
+    broker = dramatiq_pg_broker_factory(lease_seconds=1, rescue_interval=0.2)
+    with_counter(broker)
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend, store_results=True))
+    passes = finish_passes(broker, monkeypatch)
+    committed, go = threading.Event(), threading.Event()
+    after: list[str] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> str:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        committed.set()
+        assert go.wait(60), "the test never let the actor return"
+        return f"paid {key}"
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def then(previous: str) -> str:
+        after.append(previous)
+        return f"then {previous}"
+
+    with running_worker(broker, threads=2):
+        first = pay.message("k")
+        pipe = dramatiq.pipeline([first, then.message()], broker=broker).run()
+        wait_for(committed.is_set, 30, "the block to commit")
+        seen = len(passes)
+        # A pass is one lease at least after the one before: past the commit's lease and its grace.
+        wait_for(lambda: len(passes) >= seen + 4, 60, "four finish passes of maintenance")
+        try:
+            assert left(broker) == [("committed", 1)]
+            with pytest.raises(QueueJoinTimeout):
+                broker.join(pay.queue_name, timeout=300)
+        finally:
+            go.set()
+        assert pipe.get_result(block=True, timeout=30_000) == "then paid k"
+        assert backend.get_result(first, block=True, timeout=10_000) == "paid k"
+        broker.join(pay.queue_name, timeout=30_000)
+        broker.join(then.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert after == ["paid k"]
+    assert counts(broker) == {"k": 1}
+    assert left(broker) == []
+    assert stale(broker) == 0
+
+
+def test_a_committed_row_whose_process_stopped_extending_it_is_finished_by_maintenance(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given an actor that commits its block and runs on while its process's lease keeper stops (as in
+    a process stopped or cut off from the database), I expect maintenance to finish the committed row
+    a grace after its lease lapsed, saying so (the lease lapsed: its process stopped extending it),
+    and the actor's outcome afterwards to write nothing: no result, no next step, the write once."""
+    monkeypatch.setattr(maintenance_module, "COMMITTED_GRACE_LEASES", 1)
+    broker = dramatiq_pg_broker_factory(lease_seconds=1, rescue_interval=0.2)
+    with_counter(broker)
+    backend = PostgresBackend(broker=broker)
+    broker.add_middleware(Results(backend=backend, store_results=True))
+    committed, go = threading.Event(), threading.Event()
+    after: list[str] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> str:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        committed.set()
+        assert go.wait(60), "the test never let the actor return"
+        return f"paid {key}"
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def then(previous: str) -> None:
+        after.append(previous)
+
+    caplog.set_level(logging.WARNING)
+    with running_worker(broker, threads=2):
+        first = pay.message("k")
+        dramatiq.pipeline([first, then.message()], broker=broker).run()
+        wait_for(committed.is_set, 30, "the block to commit")
+        broker.parts.keeper.stop()  # it extends nothing more
+        try:
+            wait_for(lambda: left(broker) == [], 60, "maintenance to finish the committed row")
+        finally:
+            go.set()
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+        assert broker.inspect(first.message_id)["state"] == "done"  # type: ignore[index]
+        said = [r.getMessage() for r in caplog.records if "fenced transaction committed" in r.getMessage()]
+        assert [s for s in said if first.message_id in s and "the lease of its committed row lapsed" in s], said
+        assert all("its process stopped extending it" in s for s in said), said
+        with pytest.raises(dramatiq.results.ResultMissing):
+            backend.get_result(first)
+    assert after == []
+    assert counts(broker) == {"k": 1}
+
+
+def test_an_actor_running_on_after_its_block_counts_as_busy_and_holds_its_slot(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given one worker thread with a prefetch of one whose actor runs on after its block committed,
+    and a second message waiting, I expect the process to count that actor busy (what its heartbeat
+    writes for operators), and not to claim the second message while it runs: the block settled the
+    delivery, freeing its slot and calling the thread idle, as if the actor had returned."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    committed, go = threading.Event(), threading.Event()
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> None:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        if key == "a":
+            committed.set()
+            assert go.wait(60), "the test never let the actor return"
+
+    with running_worker(broker, threads=1, prefetch=1):
+        first = pay.send("a")
+        wait_for(committed.is_set, 30, "the block to commit")
+        second = pay.send("b")
+        try:
+            leases = broker.parts.leases
+            assert leases.running() == [first.message_id]
+            assert leases.activity() == {pay.queue_name: (1, 0)}
+            # The consumer polls for room every moment; a free slot would claim the second message now.
+            assert leases.wait_for_capacity(pay.queue_name, 1, 0.5) is False
+            assert query(broker, "SELECT state FROM {schema}.message WHERE message_id = %s", [second.message_id]) == [
+                ("queued",)
+            ]
+        finally:
+            go.set()
+        broker.join(pay.queue_name, timeout=30_000)
+        assert broker.flush_outcomes(10)
+    assert counts(broker) == {"a": 1, "b": 1}
+    assert left(broker) == []
+
+
+def test_a_results_backend_of_its_own_stores_the_result_of_an_actor_whose_block_committed(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str
+) -> None:
+    """Given a results backend with a pool of its own on the broker's schema (no ``broker=``: it
+    writes at once, fenced on the delivery's row), and an actor that returns a value, or raises, after
+    its block committed, I expect the value stored, and the error stored as its failure: the row is
+    this delivery's, ``committed``; no stale write (it was fenced on ``running`` only, and refused)."""
+    broker = dramatiq_pg_broker_factory()
+    with_counter(broker)
+    backend = PostgresBackend(dramatiq_pg_url, schema=broker.schema)
+    broker.add_middleware(Results(backend=backend, store_results=True))
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def pay(key: str) -> str:
+        with broker.fenced_transaction() as conn:
+            add_one(conn, broker.schema, key)
+        if key == "b":
+            raise ValueError("after the block")
+        return f"paid {key}"
+
+    try:
+        with running_worker(broker, threads=2):
+            good, bad = pay.send("a"), pay.send("b")
+            assert backend.get_result(good, block=True, timeout=10_000) == "paid a"
+            with pytest.raises(dramatiq.results.ResultFailure, match="after the block"):
+                backend.get_result(bad, block=True, timeout=10_000)
+            broker.join(pay.queue_name, timeout=30_000)
+            assert broker.flush_outcomes(10)
+    finally:
+        backend.close()
+    assert counts(broker) == {"a": 1, "b": 1}
+    assert left(broker) == []
+    assert stale(broker) == 0

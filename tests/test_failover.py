@@ -32,8 +32,8 @@ from helpers import acked, running_worker, wait_for
 from test_faults import Env
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.db.reconnect import Server, connect_failure, server_for, where
 from dramatiq_pg_fenced.errors import ServerUnwritable, describe_failure, lost_connection, refusal, worth_retrying
-from dramatiq_pg_fenced.reconnect import Server, connect_failure, server_for, where
 
 # -- without a server ---------------------------------------------------------------------------
 
@@ -89,7 +89,7 @@ def test_a_server_found_read_only_is_said_once_and_its_connections_dropped_once_
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = Server("db1:5432,db2:5432/app")
-    with caplog.at_level(logging.INFO, logger="dramatiq_pg_fenced.reconnect"):
+    with caplog.at_level(logging.INFO, logger="dramatiq_pg_fenced.db.reconnect"):
         assert server.unwritable("cannot execute INSERT in a read-only transaction", made_in=0)
         # Parts that met it on connections of the same generation: no new generation, no new line.
         assert not server.unwritable("cannot execute UPDATE in a read-only transaction", made_in=0)
@@ -192,10 +192,12 @@ def test_every_part_of_a_worker_waits_quietly_while_its_server_is_read_only_and_
     """Given a running worker (consumers, LISTEN, lease keeper, maintenance, outcome writer), when
     its server turns read-only for 3 s with every socket open, then a send fails fast with a
     connection error that says why, no part logs an error or a traceback, the condition is said
-    once; and after, a send runs within 2 s without a restart, woken by LISTEN on a new
-    connection."""
+    once; and after, a send runs without a restart, woken by LISTEN on a new connection (its idle
+    polls are an hour apart: only a ring brings it within the test's time)."""
     url = read_only_server.url
-    broker = PostgresBroker(url, schema="ro", connect_timeout=2, rescue_interval=0.2, lease_seconds=1.5)
+    broker = PostgresBroker(
+        url, schema="ro", connect_timeout=2, rescue_interval=0.2, lease_seconds=1.5, poll_interval=3600
+    )
     ran: list[int] = []
 
     @dramatiq.actor(broker=broker, queue_name="q")
@@ -220,9 +222,9 @@ def test_every_part_of_a_worker_waits_quietly_while_its_server_is_read_only_and_
                         break
                     except ConnectionClosed:
                         time.sleep(0.05)
-                wait_for(lambda: 2 in ran, 10, "a job after the server takes writes again")
+                wait_for(lambda: 2 in ran, 30, "a job after the server takes writes again")
                 took = time.monotonic() - start
-            assert took < 2.0, took
+            assert took < 30, took  # not an idle poll (an hour): the ring of the send, heard on a new LISTEN
             doorbell = broker.database.started_doorbell(broker.channel)
             assert doorbell is not None
         bad = [

@@ -10,7 +10,7 @@ import pytest
 from helpers import Factory, acked, expire_and_rescue, query, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker, SchemaError
-from dramatiq_pg_fenced.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
 
 
 def message(queue: str = "default", message_id: str | None = None) -> dramatiq.Message[Any]:
@@ -70,9 +70,9 @@ def test_a_stale_deliverys_result_is_not_written_beside_the_current_ones_ack(
     from dramatiq.results import Results
     from dramatiq.results.result import wrap_result
 
-    from dramatiq_pg_fenced.delivery import Outcome, ResultWrite
-    from dramatiq_pg_fenced.fencing import Write
-    from dramatiq_pg_fenced.results import PostgresBackend
+    from dramatiq_pg_fenced.core.delivery import Outcome, ResultWrite
+    from dramatiq_pg_fenced.core.fencing import Write
+    from dramatiq_pg_fenced.features.results import PostgresBackend
 
     broker = dramatiq_pg_broker_factory()
     other = dramatiq_pg_broker_factory(schema=broker.schema)
@@ -138,8 +138,8 @@ def test_a_redelivered_group_member_counts_down_once_and_completion_runs_once(
 
     from dramatiq.middleware import GroupCallbacks
 
-    from dramatiq_pg_fenced.rate_limits import FencedGroupCallbacks
-    from dramatiq_pg_fenced.rate_limits import PostgresBackend as RateLimits
+    from dramatiq_pg_fenced.features.rate_limits import FencedGroupCallbacks
+    from dramatiq_pg_fenced.features.rate_limits import PostgresBackend as RateLimits
 
     callbacks = FencedGroupCallbacks if fenced else GroupCallbacks
     a = dramatiq_pg_broker_factory(lease_seconds=1, rescue_interval=0.2, poll_interval=0.1)
@@ -193,7 +193,7 @@ def test_a_pipeline_step_of_a_stale_delivery_is_not_sent(dramatiq_pg_broker_fact
     current = deliver(other)
     follow_up = message()
 
-    from dramatiq_pg_fenced import delivery
+    from dramatiq_pg_fenced.core import delivery
 
     for b, d in ((broker, stale), (other, current)):  # what the middleware do after the actor, on its thread
         delivery.start(d)
@@ -257,7 +257,7 @@ def test_enqueue_many_in_with_ack_waits_for_the_ack_and_is_dropped_with_a_stale_
             sent = broker.enqueue_many([child.message(tag, n) for n in range(3)])
         seen[tag] = [broker.inspect(m.message_id) for m in sent]
         if tag == "stale":
-            from dramatiq_pg_fenced import delivery
+            from dramatiq_pg_fenced.core import delivery
 
             running = delivery.running()  # this delivery (the test thread may not have stored its message yet)
             assert running is not None
@@ -337,7 +337,7 @@ def test_one_read_lets_every_waiting_delivery_start_and_refuses_a_cancelled_one(
     that read, to read again."""
     import time
 
-    from dramatiq_pg_fenced import leases
+    from dramatiq_pg_fenced.core import leases
 
     monkeypatch.setattr(leases, "START_CHECK_AFTER", 1.0)  # wide, so the starts below fall within it
     broker = dramatiq_pg_broker_factory(listen=False, poll_interval=30)
@@ -436,7 +436,7 @@ def test_close_waits_for_a_background_chore_running_so_it_opens_no_pool_after_it
     import threading
     import time
 
-    from dramatiq_pg_fenced.maintenance import Maintenance
+    from dramatiq_pg_fenced.core.maintenance import Maintenance
 
     ticking, ticked = threading.Event(), threading.Event()
     real_tick = Maintenance.tick

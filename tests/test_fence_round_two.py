@@ -19,7 +19,7 @@ from dramatiq.results import ResultFailure, Results
 from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced.features.results import PostgresBackend
 
 
 def with_results(broker: PostgresBroker) -> PostgresBackend:

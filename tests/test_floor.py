@@ -1,4 +1,4 @@
-"""Where claims start (consumer.Floor): past the dead head of the claim index, yet nothing is left behind.
+"""Where claims start (floors.Floor): past the dead head of the claim index, yet nothing is left behind.
 
 A consumer that saw its queue drained claims from a floor a little before
 that moment instead of from the head of the index; these tests put rows
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import dramatiq
@@ -23,8 +23,10 @@ from dramatiq.message import Message
 from helpers import expire_and_rescue, query, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, consumer
-from dramatiq_pg_fenced.consumer import HEAD, PostgresConsumer
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import floor as floors
+from dramatiq_pg_fenced.core.consumer import PostgresConsumer
+from dramatiq_pg_fenced.core.floor import HEAD
 
 
 @pytest.fixture
@@ -42,21 +44,21 @@ def broker(dramatiq_pg_broker_factory: Callable[..., PostgresBroker]) -> Postgre
 @pytest.fixture
 def no_look_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Claims from the head only when told to (an hour apart otherwise)."""
-    monkeypatch.setattr(consumer, "LOOK_BACK_EVERY", 3600.0)
+    monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 3600.0)
 
 
 @pytest.fixture
 def starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, Any, int]]]:
     """Where each claim of the test started."""
     seen: list[tuple[int, Any, int]] = []
-    real = consumer.Floor.start
+    real = floors.Floor.start
 
-    def start(self: consumer.Floor) -> tuple[int, Any, int]:
+    def start(self: floors.Floor) -> tuple[int, Any, int]:
         where = real(self)
         seen.append(where)
         return where
 
-    monkeypatch.setattr(consumer.Floor, "start", start)
+    monkeypatch.setattr(floors.Floor, "start", start)
     yield seen
 
 
@@ -191,7 +193,7 @@ def test_rows_behind_the_floor_are_found_by_the_next_look_back(
     listen: bool,
     priority: int,
 ) -> None:
-    monkeypatch.setattr(consumer, "LOOK_BACK_EVERY", 0.3)
+    monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 0.3)
     broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600, listen=listen)
     dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
     c = broker.consume("floor", prefetch=4, timeout=200)
@@ -319,7 +321,7 @@ def test_a_short_claim_from_the_floor_schedules_a_look_back_that_a_claim_from_th
     """Without a database: a short claim from the floor (what rang may lie behind it) makes the
     consumer claim from the head within LOOK_BACK_EVERY; a claim from the head clears that, so
     an idle consumer goes back to its poll interval."""
-    floor = consumer.Floor(0, None, "floor")
+    floor = floors.Floor(0, None, "floor")
     now = datetime.now(timezone.utc)
     row = (None, None, None, None, 0, now, 1, now)  # priority, available_at, seq at 4-6; now() at 7
     assert floor.start() is HEAD
@@ -330,6 +332,35 @@ def test_a_short_claim_from_the_floor_schedules_a_look_back_that_a_claim_from_th
     floor.claimed(start, [row] * 4, 4)  # full: the consumer claims again at once anyway
     assert floor.look_back_due is None
     floor.claimed(start, [], 4)  # short: a look back is due by the head's next turn
-    assert floor.look_back_due is not None and floor.look_back_due - time.monotonic() <= consumer.LOOK_BACK_EVERY
+    assert floor.look_back_due is not None and floor.look_back_due - time.monotonic() <= floors.LOOK_BACK_EVERY
     floor.claimed(HEAD, [], 4)
     assert floor.look_back_due is None
+
+
+def test_claims_from_the_head_that_find_nothing_behind_the_floor_come_less_often_up_to_a_bound() -> None:
+    """Without a database: given claims from the head that find no row behind the floor (each steps
+    over the dead entries an old snapshot keeps at the head of the claim index), I expect the wait
+    before the next one to double up to LOOK_BACK_MAX_FACTOR times LOOK_BACK_EVERY, one that finds a
+    row behind the floor to set it back, a claim from the floor that found rows to schedule no look
+    back, and one that came back empty (what rang may lie behind the floor) to bring it within
+    LOOK_BACK_EVERY of the last claim from the head, whatever the wait."""
+    floor = floors.Floor(0, None, "floor")
+    now = datetime.now(timezone.utc)
+
+    def row(at: datetime, seq: int) -> tuple:
+        return (None, None, None, None, 0, at, seq, now)  # priority, available_at, seq at 4-6; now() at 7
+
+    floor.claimed(HEAD, [row(now, 1)], 4)  # short: the floor is set (FLOOR_MARGIN before now())
+    waits = []
+    for _ in range(6):
+        floor.claimed(HEAD, [row(now, 2)], 4)  # its row lies after the floor: nothing behind it
+        waits.append(round((floor._head_due - time.monotonic()) / floors.LOOK_BACK_EVERY))
+    assert waits == [2, 4, 8, 8, 8, 8]
+    start = floor.start()
+    assert start is not HEAD
+    floor.claimed(start, [row(now, 3)], 4)  # short, but it found rows: no look back scheduled
+    assert floor.look_back_due is None
+    floor.claimed(start, [], 4)  # empty: a look back within LOOK_BACK_EVERY of the last one
+    assert floor.look_back_due is not None and floor.look_back_due - time.monotonic() <= floors.LOOK_BACK_EVERY
+    floor.claimed(HEAD, [row(now - timedelta(seconds=5), 4)], 4)  # a row behind the floor: back to every second
+    assert floor._head_due - time.monotonic() <= floors.LOOK_BACK_EVERY

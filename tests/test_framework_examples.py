@@ -73,8 +73,10 @@ def test_the_flask_example(dramatiq_pg_url: str, schema: str) -> None:
         assert "/ops/queues/messages" in links(page.text)
         assert all(link.startswith("/ops/queues/") for link in links(page.text))
         assert client.get("/ops/queues/messages?queue=orders&state=done").status_code == 200
-        token = re.search(r'name="token" value="([^"]*)"', page.text)
-        assert token is not None
+        assert "/ops/queues/confirm?action=pause&amp;queue=orders" in page.text  # its buttons ask first
+        question = client.get("/ops/queues/confirm?action=pause&queue=orders")
+        token = re.search(r'name="token" value="([^"]*)"', question.text)
+        assert token is not None  # the question's form acts
         acted = client.post("/ops/queues/action", data={"token": token[1], "action": "pause", "queue": "orders"})
         assert acted.status_code == 303 and acted.location.startswith("/ops/queues/?note=paused")
     finally:
@@ -111,8 +113,10 @@ def test_the_fastapi_example(dramatiq_pg_url: str, schema: str) -> None:
         assert all(link.startswith("/ops/queues/") for link in links(page.text))
         assert client.get("/ops/queues/messages?queue=orders&state=done", auth=ops).status_code == 200
         assert client.get("/ops/stats", auth=ops).status_code == 200
-        token = re.search(r'name="token" value="([^"]*)"', page.text)
-        assert token is not None
+        assert "/ops/queues/confirm?action=pause&amp;queue=orders" in page.text  # its buttons ask first
+        question = client.get("/ops/queues/confirm?action=pause&queue=orders", auth=ops)
+        token = re.search(r'name="token" value="([^"]*)"', question.text)
+        assert token is not None  # the question's form acts
         acted = client.post("/ops/queues/action", data={"token": token[1], "action": "pause", "queue": "orders"},
                             auth=ops, follow_redirects=False)  # fmt: skip
         assert acted.status_code == 303 and acted.headers["location"].startswith("/ops/queues/?note=paused")

@@ -21,9 +21,11 @@ from dramatiq.results import ResultFailure, Results
 from helpers import Factory, acked, query, running_worker, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import CancelOutcome, PostgresBroker, admin, interrupt
-from dramatiq_pg_fenced.interrupt import Interrupter, MessageCancelled, interruptible, shielded, with_throws
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced import CancelOutcome, PostgresBroker
+from dramatiq_pg_fenced.core import interrupt
+from dramatiq_pg_fenced.core.interrupt import Interrupter, MessageCancelled, interruptible, shielded, with_throws
+from dramatiq_pg_fenced.features.results import PostgresBackend
+from dramatiq_pg_fenced.ops import admin
 
 
 def state(broker: PostgresBroker, message_id: str) -> tuple[str, int] | None:
@@ -398,7 +400,7 @@ def test_the_wrapped_body_ends_cancelled_even_if_it_swallows_the_exception() -> 
         return "finished"
 
     run = interruptible(swallow, lambda: interrupter)
-    from dramatiq_pg_fenced import delivery
+    from dramatiq_pg_fenced.core import delivery
 
     def body() -> Any:
         delivery.start(Proxy())  # type: ignore[arg-type]
@@ -456,7 +458,7 @@ def cancel_from_another_thread(interrupter: Interrupter, delivery: str) -> None:
 def run_wrapped(interrupter: Interrupter, body: Callable[[], Any]) -> dict[str, Any]:
     """*body* as the actor of delivery t1 on a thread of its own; then, on that thread, what it
     runs next: an interrupt.sleep(0.2) and pure Python, where a stray exception would land."""
-    from dramatiq_pg_fenced import delivery
+    from dramatiq_pg_fenced.core import delivery
 
     run = interruptible(body, lambda: interrupter)
 

@@ -19,7 +19,8 @@ from dramatiq.message import Message
 from helpers import Factory, running_worker, wait_for
 from psycopg.conninfo import make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker, reconnect
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.db import reconnect
 
 OPTIONS = {
     "keepalives": (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
@@ -111,6 +112,7 @@ def isolated() -> Iterator[IsolatedServer]:
         server.close()
 
 
+# ~16 s: the promise's own bounds (10.5 s and 11 s of dropped packets before each statement fails).
 @pytest.mark.slow
 def test_a_statement_on_a_blackholed_connection_fails_within_seconds(isolated: IsolatedServer) -> None:
     """Given a broker on a server in a network namespace, when every packet between the two is dropped

@@ -20,7 +20,7 @@ from helpers import Factory, query, wait_for
 
 from dramatiq_pg_fenced import DeadLetterError, PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
-from dramatiq_pg_fenced.consumer import PostgresConsumer
+from dramatiq_pg_fenced.core.consumer import PostgresConsumer
 
 
 def message(queue: str = "crash") -> Message[Any]:

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_fenced import migrations
+from dramatiq_pg_fenced.db import migrations
 from dramatiq_pg_fenced.errors import SchemaError
 
 

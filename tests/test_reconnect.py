@@ -16,9 +16,12 @@ import pytest
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.results import ResultMissing
+from helpers import wait_for
 from test_faults import OwnedServer
 
-from dramatiq_pg_fenced import PostgresBroker, rate_limits, reconnect, results
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.db import reconnect
+from dramatiq_pg_fenced.features import rate_limits, results
 
 REFUSED = psycopg.OperationalError('connection to server at "db", port 5432 failed: Connection refused')
 
@@ -44,7 +47,7 @@ def test_while_a_server_is_down_the_process_tries_it_at_a_steady_pace_and_says_s
         return refuse()
 
     answered_at_once = 0
-    with caplog.at_level(logging.INFO, logger="dramatiq_pg_fenced.reconnect"):
+    with caplog.at_level(logging.INFO, logger="dramatiq_pg_fenced.db.reconnect"):
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             with pytest.raises(psycopg.OperationalError, match="Connection refused") as failed:
@@ -78,15 +81,15 @@ def test_a_part_waiting_to_retry_wakes_when_another_part_connects() -> None:
 
     def wait() -> None:
         start = time.monotonic()
-        server.pause(10)
+        server.pause(60)
         waited.append(time.monotonic() - start)
 
     waiter = threading.Thread(target=wait)
     waiter.start()
     time.sleep(0.45)  # past the pace: the next attempt is a real one
     server.connect(lambda: "a connection")
-    waiter.join(5)
-    assert waited and waited[0] < 1.0
+    waiter.join(40)
+    assert waited and waited[0] < 30  # woken by the connection, not at the end of its 60 s pause
 
 
 def closed_port() -> int:
@@ -107,7 +110,7 @@ def test_a_consumer_waits_quietly_while_the_database_is_away(caplog: pytest.LogC
             for _ in range(3):
                 start = time.monotonic()
                 assert next(consumer) is None
-                assert time.monotonic() - start < 1.5
+                assert time.monotonic() - start < 30  # it returns (about every timeout), it does not hang
         assert [r.getMessage().split(":")[0] for r in caplog.records if r.levelno >= logging.WARNING] == [
             "Cannot connect to PostgreSQL at 127.0.0.1"
         ]
@@ -173,8 +176,103 @@ def test_the_pools_of_the_broker_and_both_backends_are_back_within_a_second(owne
             f"({len(failures)} failed tries after it)",
         )
         assert max(figures.values()) < 1.5, figures
-        assert not failures  # no stale connection was left in a pool to fail a call after the return
+        # No stale connection was left in a pool to fail a call after the return; until the pool's next
+        # attempt (within 0.5 s) a send is refused at once with the cause the process knew.
+        assert [f for f in failures if not f.startswith("send: ") or "refused" not in f] == []
     finally:
         limits.close()
         result_backend.close()
+        broker.close()
+
+
+def test_a_send_while_the_server_is_known_unreachable_fails_at_once_without_asking_the_pool() -> None:
+    """Given a broker whose server refuses connections, and whose pool has met that already (the
+    process knows the server is unreachable, and the pool tries it again in the background), when
+    the application sends, I expect Dramatiq's BrokerConnectionError naming the database and the
+    cause, raised without the send waiting on the pool for a connection (a producer that also sends
+    to healthy databases is not held up by the one that is down); the pool's own attempts go on."""
+    broker = PostgresBroker(f"postgresql://postgres@127.0.0.1:{closed_port()}/away", schema="away", connect_timeout=5)
+    try:
+        broker.declare_queue("q")
+        send = lambda: broker.enqueue(Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))  # noqa: E731
+        with pytest.raises(ConnectionClosed):
+            send()  # the first send learns that the server is away (as any part of the process may)
+        local = broker.database._here()
+        server = reconnect.server_for(broker.database.conninfo)
+        assert server.down
+        asked = local.pool.get_stats().get("requests_num", 0)
+        with pytest.raises(ConnectionClosed, match=r"cannot reach PostgreSQL at 127\.0\.0\.1:\d+/away: .*refused"):
+            send()
+        assert local.pool.get_stats().get("requests_num", 0) == asked, "the send waited on the pool for a connection"
+        tried = server._last_try
+        wait_for(lambda: server._last_try != tried, 5, "the pool's next attempt in the background")
+    finally:
+        broker.close()
+
+
+def test_a_send_while_nobody_tries_the_server_again_tries_it_itself() -> None:
+    """Given a server known unreachable whose last attempt is older than the pools' pace (no part of
+    the process tries it now: a pool that gave up), I expect a send to ask the pool (and so make an
+    attempt) instead of failing on what the process knew: its return is found by the first caller."""
+    broker = PostgresBroker(f"postgresql://postgres@127.0.0.1:{closed_port()}/away2", schema="away", connect_timeout=1)
+    try:
+        broker.declare_queue("q")
+        send = lambda: broker.enqueue(Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))  # noqa: E731
+        with pytest.raises(ConnectionClosed):
+            send()
+        local = broker.database._here()
+        server = reconnect.server_for(broker.database.conninfo)
+        server._last_try -= 10 * reconnect.RETRY_INTERVAL  # nobody tried it for a while
+        asked = local.pool.get_stats().get("requests_num", 0)
+        with pytest.raises(ConnectionClosed):
+            send()
+        assert local.pool.get_stats().get("requests_num", 0) > asked
+    finally:
+        broker.close()
+
+
+@pytest.mark.slow
+def test_a_checkout_that_meets_connections_broken_by_a_restart_tries_the_next_at_once(
+    owned_server: OwnedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a pool of four idle connections (a worker's, grown while its consumers claimed at once)
+    and a server restarted under them, when a part of the worker (a consumer's claim, the outcome
+    writer) asks for a connection, I expect each broken one to be dropped and the next tried at once:
+    no pause of psycopg_pool's growing backoff (1, 2, 4 s... between failed checks, so seconds of no
+    work after the server's return), only the pace of reconnect.py while none is ready."""
+    import psycopg_pool.pool
+
+    monkeypatch.setattr(reconnect, "CHECK_IDLE", 0.0)  # every checkout checks with a round trip
+    pauses: list[float] = []
+    real_sleep = time.sleep
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(psycopg_pool.pool, "sleep", pause)
+    monkeypatch.setattr(reconnect, "_pause", pause, raising=False)
+    broker = PostgresBroker(owned_server.url, schema="stale", connect_timeout=5)
+    try:
+        broker.migrate()
+        database = broker.database
+        together = threading.Barrier(4)
+
+        def hold() -> None:
+            with database.connection(raw=True):
+                together.wait(10)
+
+        holders = [threading.Thread(target=hold) for _ in range(4)]
+        for holder in holders:
+            holder.start()
+        for holder in holders:
+            holder.join(10)
+        pool = database._here().pool
+        assert pool.get_stats()["pool_available"] == 4
+        owned_server.stop("fast")
+        owned_server.start()
+        with database.connection(raw=True, timeout=30) as conn:
+            conn.execute("SELECT 1")
+        assert pauses == [], "paused between checks of connections that were ready"
+    finally:
         broker.close()

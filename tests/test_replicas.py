@@ -22,9 +22,10 @@ from helpers import running_worker, wait_for
 from psycopg import sql
 from test_dashboard import call
 
-from dramatiq_pg_fenced import PostgresBroker, reconnect
-from dramatiq_pg_fenced.cli import main
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.cli.command import main
 from dramatiq_pg_fenced.dashboard import dashboard_app
+from dramatiq_pg_fenced.db import reconnect
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeou
 from helpers import Factory, acked, expire_and_rescue, listening, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.delivery import PostgresMessageProxy
-from dramatiq_pg_fenced.results import PostgresBackend
+from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.features.results import PostgresBackend
 
 # -- helpers ------------------------------------------------------------------
 

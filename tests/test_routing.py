@@ -18,11 +18,11 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq.message import Message
-from helpers import Factory, wait_for
+from helpers import Factory, once_reachable, wait_for
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.routing import RoutedBroker, RouteError
+from dramatiq_pg_fenced.routing.router import RoutedBroker, RouteError
 
 
 def rows(broker: PostgresBroker, what: str = "queue_name, state") -> list[tuple[Any, ...]]:
@@ -152,12 +152,12 @@ def test_a_relay_that_dies_between_its_two_commits_moves_nothing_twice(two: Rout
     first, second = two.shards["first"], two.shards["second"]
     first.enqueue(there.message(7))  # straight into first's table: a row of its outbox
     assert rows(first) == [("b", "queued")]
-    with first.database.connection() as conn, conn.transaction():
-        taken = conn.execute(first.statements.relay_take, {"queues": ["b"], "limit": 10}).fetchall()
-        columns = [list(c) for c in zip(*taken, strict=True)]
-        with second.database.connection() as other:
-            other.execute(second.statements.relay_put, [*columns, "first", second.channel, second.listen])
-        raise psycopg.Rollback()  # ... and the relay dies before this commit
+    with first.database.connection() as conn:
+        looked = RoutedBroker._look(conn, first, ["b"], 10)
+        with conn.transaction():
+            taken = RoutedBroker._take(conn, first, ["b"], looked)
+            RoutedBroker._put(second, "first", taken)
+            raise psycopg.Rollback()  # ... and the relay dies before this commit
     assert rows(first) == [("b", "queued")] and rows(second) == [("b", "queued")]
     worker = worker_of(second)  # its database's worker alone: no relay runs yet
     wait_for(lambda: ran["7"] == 1 and rows(second) == [], 30, "the message to run in its database")
@@ -192,6 +192,70 @@ def test_a_routed_broker_keeps_a_fenced_transaction_in_the_deliverys_database(
         assert c.execute(sql.SQL("SELECT n FROM {}").format(table)).fetchone() == (10,)
 
 
+def test_a_routed_actor_running_on_after_its_block_keeps_its_row_and_its_follow_up_in_another_database(
+    dramatiq_pg_broker_factory: Factory, worker_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a pipeline whose first step, in the second database, commits its block and runs on for
+    several leases (that database's maintenance running every pass meanwhile, a grace of one lease),
+    and whose next step lives in the first, I expect the second database's lease keeper to keep the
+    committed row, and, once the actor returns, the next step relayed to the first database and run
+    once: the shard's keeper is the one that holds the delivery."""
+    from dramatiq_pg_fenced.core import maintenance
+
+    monkeypatch.setattr(maintenance, "COMMITTED_GRACE_LEASES", 1)
+    short = {"lease_seconds": 1, "rescue_interval": 0.2}
+    router = RoutedBroker(
+        brokers={"first": dramatiq_pg_broker_factory(**short), "second": dramatiq_pg_broker_factory(**short)},
+        routes={"b": "second"},
+        default="first",
+    )
+    second = router.shards["second"]
+    passes: list[int] = []
+    rescue = second.parts.maintenance.rescue
+
+    def counted(full: bool = True) -> int:
+        before = second.parts.maintenance._last_finish
+        taken = rescue(full=full)
+        if second.parts.maintenance._last_finish != before:
+            passes.append(1)
+        return taken
+
+    monkeypatch.setattr(second.parts.maintenance, "rescue", counted)
+    committed, go = threading.Event(), threading.Event()
+    ran: Counter[str] = Counter()
+
+    @dramatiq.actor(queue_name="b", broker=router, max_retries=0)
+    def pay(x: int) -> int:
+        with router.fenced_transaction() as conn:
+            conn.execute("SELECT 1")
+        committed.set()
+        assert go.wait(60), "the test never let the actor return"
+        return x + 1
+
+    @dramatiq.actor(queue_name="a", broker=router, max_retries=0)
+    def then(x: int) -> None:
+        ran[str(x)] += 1
+
+    try:
+        dramatiq.pipeline([pay.message(1), then.message()], broker=router).run()
+        worker_of(router)
+        wait_for(committed.is_set, 30, "the block to commit")
+        seen = len(passes)
+        wait_for(lambda: len(passes) >= seen + 4, 60, "four finish passes of the second database's maintenance")
+        try:
+            assert rows(second, "queue_name, state") == [("b", "committed")]
+        finally:
+            go.set()
+        wait_for(lambda: ran["2"] == 1, 30, "the next step in the first database")
+        router.join("b", timeout=30_000)
+        router.join("a", timeout=30_000)
+        assert ran == Counter({"2": 1})
+        assert rows(second) == [] and rows(router.shards["first"]) == []
+    finally:
+        go.set()
+        router.close()
+
+
 def test_cancel_and_inspect_find_a_message_in_any_database(two: RoutedBroker) -> None:
     @dramatiq.actor(queue_name="b", broker=two)
     def later() -> None:
@@ -208,7 +272,7 @@ def test_results_are_kept_and_read_in_their_queues_database(two: RoutedBroker, w
     of each, and a failure riding the nack in the second), and get_result to read each there."""
     from dramatiq.results import ResultFailure, Results
 
-    from dramatiq_pg_fenced.routing import RoutedResultBackend
+    from dramatiq_pg_fenced.routing.router import RoutedResultBackend
 
     backend = RoutedResultBackend(two)
     two.add_middleware(Results(backend=backend))
@@ -242,7 +306,7 @@ def test_results_are_kept_and_read_in_their_queues_database(two: RoutedBroker, w
 
 
 def test_metrics_of_every_database_carry_a_database_label(two: RoutedBroker) -> None:
-    from dramatiq_pg_fenced.metrics import exposition
+    from dramatiq_pg_fenced.ops.metrics import exposition
 
     @dramatiq.actor(queue_name="a", broker=two)
     def here() -> None:
@@ -285,7 +349,7 @@ def test_the_relay_is_woken_by_the_doorbell(two: RoutedBroker, worker_of: Any) -
 def test_a_schedule_is_kept_and_ticks_in_its_queues_database(two: RoutedBroker, worker_of: Any) -> None:
     """Given a schedule of an actor of the second database (``@schedule`` on the router), I expect it
     stored in that database only, ticking there; a second declaration under its name refused."""
-    from dramatiq_pg_fenced.schedules import schedule
+    from dramatiq_pg_fenced.features.schedules import schedule
 
     ticks: list[str] = []
 
@@ -366,7 +430,7 @@ def test_a_relayed_message_refused_in_its_database_is_counted_and_logged(
     in the metrics, labelled with the database."""
     import logging
 
-    from dramatiq_pg_fenced.metrics import exposition
+    from dramatiq_pg_fenced.ops.metrics import exposition
 
     @dramatiq.actor(queue_name="b", broker=two)
     def there() -> None:
@@ -399,8 +463,8 @@ def test_the_relays_idle_looks_are_taken_in_turns(
     doorbells and turns) whose relays look every 0.2 s, I expect, once each knows the other, one
     relay of the first database looking per duty window, never both; and a row written to the
     outbox without a ring (a lost notification) moved all the same, by the look of the one on duty."""
-    from dramatiq_pg_fenced import turns
-    from dramatiq_pg_fenced.routing import RELAY_GROUP
+    from dramatiq_pg_fenced.core import turns
+    from dramatiq_pg_fenced.routing.relay import RELAY_GROUP
 
     monkeypatch.setattr(turns, "REFRESH_EVERY", 0.5)  # each learns of the other sooner
     first, second = dramatiq_pg_broker_factory(), dramatiq_pg_broker_factory()
@@ -522,3 +586,182 @@ def test_one_database_down_stops_only_its_queues(tmp_path: Any) -> None:
         router.close()
         for server in servers:
             server.close()
+
+
+def test_a_moved_message_keeps_its_attempt_and_its_lost_deliveries(dramatiq_pg_broker_factory: Factory) -> None:
+    """Given a message of queue m delivered twice in the first database (the first delivery retried
+    with its error, the second lost: its worker died and the rescue put it back), then m routed to the
+    second database and moved there, I expect the moved row to keep its attempt (2), its lost
+    deliveries (1), its last error and when it was sent: its next delivery there is attempt 3, and
+    with max_deliveries=2 one more lost delivery dead-letters it (the earlier one counts)."""
+    from test_max_deliveries import NO_RESCUE, crash, deliver
+
+    first = dramatiq_pg_broker_factory(**NO_RESCUE, max_deliveries=2)
+    second = dramatiq_pg_broker_factory(**NO_RESCUE, max_deliveries=2)
+    old = RoutedBroker(brokers={"first": first, "second": second}, routes={"m": "first"})
+    there = dramatiq_pg_broker_factory(schema=second.schema, **NO_RESCUE, max_deliveries=2)
+    new = RoutedBroker(
+        brokers={"first": dramatiq_pg_broker_factory(schema=first.schema, **NO_RESCUE), "second": there},
+        routes={"m": "second"},
+    )
+    try:
+        old.declare_queue("m")
+        new.declare_queue("m")
+        sent = Message(queue_name="m", actor_name="nobody", args=(), kwargs={}, options={})
+        old.enqueue(sent)
+        consumer = first.consume("m", prefetch=1, timeout=100)
+        retried = deliver(first, consumer)
+        assert retried.attempt == 1
+        retried.stuff_exception(RuntimeError("the first attempt failed"))
+        retried.options["traceback"] = "Traceback ...\nRuntimeError: the first attempt failed"
+        retried.options["retries"] = 1
+        first.enqueue(retried, delay=0)  # Dramatiq's Retries middleware
+        consumer.ack(retried)
+        assert first.flush_outcomes(10)
+        lost = deliver(first, consumer)
+        assert lost.attempt == 2
+        assert crash(first, lost) == 1
+        consumer.close()
+        what = "state, attempt, lost_deliveries, last_error, enqueued_at"
+        before = rows(first, what)
+        assert [r[:3] for r in before] == [("queued", 2, 1)]
+
+        assert new.move_queue("m", timeout=30) == 1
+        assert rows(first) == []
+        assert rows(second, what) == before  # attempt, lost deliveries, last error and send time kept
+
+        moved = there.consume("m", prefetch=1, timeout=100)
+        again = deliver(there, moved)
+        assert again.attempt == 3 and again.options["attempt"] == 3
+        assert again.options["retries"] == 1
+        crash(there, again)  # the second lost delivery: max_deliveries=2 counts the first one too
+        state, attempt, lost_deliveries, error, _ = rows(second, what)[0]
+        assert (state, attempt, lost_deliveries) == ("dead", 3, 2)
+        assert error.startswith("dead-lettered after 2 deliveries without an outcome")
+        assert error.endswith("RuntimeError: the first attempt failed")
+        moved.close()
+    finally:
+        old.close()
+        new.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["message", "countdown"])
+def test_the_relay_moves_only_follow_ups_whose_commit_is_on_disk(
+    dramatiq_pg_broker_factory: Factory, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Given a source database of the test's own whose WAL writer is frozen, a follow-up (a message,
+    or a group member's countdown row) written to its outbox by a commit that does not wait for the
+    WAL flush (as a relaxed ack writes it), and the source crashed (every server process SIGKILLed)
+    right after the relay applied the row in its database, before the relay's own commit in the
+    source: I expect the row still in the outbox after the restart (the relay made its commit
+    durable before moving it: one forced flush, counted), and moved once: one message there, or one
+    party counted (before: the crash undid the commit whose row had been moved already; its delivery
+    would run again and send the follow-up, or count the group down, a second time)."""
+    import os
+    import signal
+
+    from dramatiq.errors import ConnectionClosed
+    from dramatiq.rate_limits import Barrier
+    from psycopg.conninfo import make_conninfo
+    from test_faults import OwnedServer
+
+    from dramatiq_pg_fenced.features import rate_limits
+    from dramatiq_pg_fenced.routing import groups
+
+    server = OwnedServer(autovacuum="off")
+    schema = f"r_{uuid.uuid4().hex[:10]}"
+    target = dramatiq_pg_broker_factory()
+
+    def router_on(source: PostgresBroker) -> RoutedBroker:
+        router = RoutedBroker(brokers={"src": source, "dst": target}, routes={"b": "dst"}, default="src")
+        router.add_middleware(rate_limits.FencedGroupCallbacks(rate_limits.PostgresBackend(broker=target)))
+        router.declare_queue("b")
+        return router
+
+    def outbox() -> list[tuple[Any, ...]]:
+        with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as c:
+            return c.execute(sql.SQL("SELECT queue_name FROM {}.message").format(sql.Identifier(schema))).fetchall()
+
+    def moved() -> list[tuple[Any, ...]]:
+        """What the move left in the target: the message, or the barrier's count."""
+        if kind == "message":
+            return rows(target)
+        with psycopg.connect(target.url, autocommit=True) as c:
+            table = sql.Identifier(target.schema, "rate_limit")
+            return c.execute(sql.SQL("SELECT value FROM {} WHERE key = 'g'").format(table)).fetchall()
+
+    # Its sessions with synchronous_commit off by default (a common tuning): the relay's look sets it on.
+    relaxed = make_conninfo(server.url, options="-c synchronous_commit=off")
+    source = PostgresBroker(relaxed, schema=schema)
+    router = router_on(source)
+    again: RoutedBroker | None = None
+    try:
+        source.migrate()
+        assert router.group_home == "dst"
+        Barrier(rate_limits.PostgresBackend(broker=target), "g", ttl=60_000).create(2)
+        completion = Message(queue_name="b", actor_name="done", args=(), kwargs={}, options={})
+        follow_up = Message(queue_name="b", actor_name="next", args=(), kwargs={}, options={})
+        if kind == "countdown":
+            follow_up = groups.countdown_message(completion, "g", 60_000, [completion])
+        with psycopg.connect(server.url, autocommit=True) as c:
+            row = c.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'").fetchone()
+            assert row is not None
+            os.kill(row[0], signal.SIGSTOP)
+            values = source.row(follow_up, None)[:6]
+            c.execute(source.statements.enqueue_relaxed, [*[[v] for v in values], source.channel, False])
+        once = moved()
+        applied = RoutedBroker._put if kind == "message" else groups.count_down_at_home
+
+        def apply_then_crash(*args: Any) -> Any:
+            out = applied(*args)
+            server.crash()  # before the relay's commit in the source
+            return out
+
+        if kind == "message":
+            monkeypatch.setattr(RoutedBroker, "_put", staticmethod(apply_then_crash))
+        else:
+            monkeypatch.setattr(groups, "count_down_at_home", apply_then_crash)
+        with pytest.raises((psycopg.Error, ConnectionClosed)):
+            router.relay("src")
+        server.start()
+        applied_once = moved()
+        assert applied_once != once  # moved ...
+        assert outbox() == [(follow_up.queue_name,)]  # ... only once its commit was on disk: the crash kept it
+        with psycopg.connect(server.url, autocommit=True) as c:
+            table = sql.Identifier(schema, "counter")
+            flushes = c.execute(sql.SQL("SELECT value FROM {} WHERE name = 'relay_flushes'").format(table)).fetchall()
+        assert flushes == [(1,)]
+        monkeypatch.undo()
+        again = router_on(PostgresBroker(relaxed, schema=schema))
+        assert once_reachable(lambda: again.relay("src")) == 1  # moved again: nothing applied twice
+        assert outbox() == [] and moved() == applied_once
+        assert relayed(target) == 1
+    finally:
+        if again is not None:
+            again.shards["src"].close()
+        source.close()
+        server.close()
+
+
+def test_the_relays_writes_in_the_target_wait_for_the_flush_whatever_the_defaults(two: RoutedBroker) -> None:
+    """The relay deletes the rows in their outbox once the insert in their database (or the countdown
+    at the groups' home) returns: that commit must be on disk.  Given sessions whose default is
+    synchronous_commit off (a common tuning), I expect the relay's insert and its countdown marks to
+    set it on for their own transaction."""
+    from psycopg.conninfo import make_conninfo
+
+    second = two.shards["second"]
+    url = make_conninfo(second.url, options="-c synchronous_commit=off")
+    message = Message(queue_name="b", actor_name="there", args=(), kwargs={}, options={})
+    values = [*second.row(message, None)[:6], None, None, 1, 2, 1, "the error before", None]
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        put = conn.execute(second.statements.relay_put, [*[[v] for v in values], "first", second.channel, False])
+        assert put.fetchone()[0] == 1
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.rollback()
+        marked = conn.execute(second.statements.relay_mark, {"source": "first", "ids": [str(uuid.uuid4())], "seqs": [1]})
+        assert len(marked.fetchall()) == 1
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.rollback()

@@ -20,10 +20,11 @@ from helpers import Factory
 from psycopg import sql
 from test_routing import relayed, rows
 
-from dramatiq_pg_fenced import delivery, rate_limits
-from dramatiq_pg_fenced.groups import COUNTDOWN_QUEUE
-from dramatiq_pg_fenced.rate_limits import FencedGroupCallbacks
-from dramatiq_pg_fenced.routing import RoutedBroker, RoutedResultBackend
+from dramatiq_pg_fenced.core import delivery
+from dramatiq_pg_fenced.features import rate_limits
+from dramatiq_pg_fenced.features.rate_limits import FencedGroupCallbacks
+from dramatiq_pg_fenced.routing.groups import COUNTDOWN_QUEUE
+from dramatiq_pg_fenced.routing.router import RoutedBroker, RoutedResultBackend
 
 TIMEOUT = 30_000
 
@@ -164,16 +165,18 @@ def test_a_countdown_row_moved_twice_counts_once(grouped: tuple[RoutedBroker, Ro
 
     from dramatiq.rate_limits import Barrier
 
-    from dramatiq_pg_fenced.groups import count_down_at_home, countdown_message
+    from dramatiq_pg_fenced.routing.groups import count_down_at_home, countdown_message
 
     barrier = Barrier(rate_limits.PostgresBackend(broker=first), "g-twice", ttl=60_000)
     barrier.create(2)
     member = done.message()
     second.enqueue(countdown_message(member, "g-twice", 60_000, [done.message()]))
-    with second.database.connection() as conn, conn.transaction():
-        taken = conn.execute(second.statements.relay_take, {"queues": [COUNTDOWN_QUEUE], "limit": 10}).fetchall()
-        assert count_down_at_home(first, "second", taken) == (1, [])
-        raise psycopg.Rollback()  # ... and the relay dies before this commit
+    with second.database.connection() as conn:
+        looked = RoutedBroker._look(conn, second, [COUNTDOWN_QUEUE], 10)
+        with conn.transaction():
+            taken = RoutedBroker._take(conn, second, [COUNTDOWN_QUEUE], looked)
+            assert count_down_at_home(first, "second", taken) == (1, [])
+            raise psycopg.Rollback()  # ... and the relay dies before this commit
     assert router.relay("second") == 1  # moved again: nothing applied
     assert rows(second) == [] and rows(first) == []  # not cleared: no completion
     with psycopg.connect(first.url, autocommit=True) as c:
@@ -201,7 +204,7 @@ def test_a_countdown_row_that_is_none_is_dead_lettered_in_its_outbox_and_the_res
 
     from dramatiq.rate_limits import Barrier
 
-    from dramatiq_pg_fenced.groups import countdown_message
+    from dramatiq_pg_fenced.routing.groups import countdown_message
 
     router, _ = grouped
     first, second = router.shards["first"], router.shards["second"]

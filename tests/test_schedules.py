@@ -17,9 +17,11 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from helpers import query, running_worker, wait_for
 
-from dramatiq_pg_fenced import PostgresBroker, migrations
-from dramatiq_pg_fenced.cli import main
-from dramatiq_pg_fenced.schedules import DEFAULT_MISSED, Schedule, Scheduler, Timing, schedule
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.cli.command import main
+from dramatiq_pg_fenced.db import migrations
+from dramatiq_pg_fenced.features.scheduler import Scheduler
+from dramatiq_pg_fenced.features.schedules import DEFAULT_MISSED, Schedule, Timing, schedule
 
 UTC = timezone.utc
 

@@ -21,7 +21,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from helpers import query, wait_for
+from failure_report import on_failure, process_log, schema_rows
+from helpers import query, stop_process, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 
@@ -32,14 +33,19 @@ APP = "tests.apps.schedule_app"
 
 
 @pytest.fixture
-def schedulers(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """``start(broker, **env)``: a standalone scheduler process on *broker*'s schema (killed at teardown)."""
+def schedulers(
+    dramatiq_pg_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., subprocess.Popen]]:
+    """``start(broker, **env)``: a standalone scheduler process on *broker*'s schema (killed at teardown).
+    If the test fails, its report shows each scheduler's log and the schema's rows."""
     started: list[subprocess.Popen] = []
+    schemas: set[str] = set()
 
     def start(broker: PostgresBroker, **env_vars: str) -> subprocess.Popen:
         env = dict(os.environ, DRAMATIQ_PG_URL=dramatiq_pg_url, DRAMATIQ_PG_SCHEMA=broker.schema, PYTHONUNBUFFERED="1")
         env.update(env_vars)
-        with open(tmp_path / f"scheduler-{len(started)}.log", "wb") as log:
+        log_path = tmp_path / f"scheduler-{len(started)}.log"
+        with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dramatiq_pg_fenced.cli", "scheduler", APP],
                 cwd=REPO,
@@ -49,6 +55,10 @@ def schedulers(dramatiq_pg_url: str, tmp_path: Path) -> Iterator[Callable[..., s
                 start_new_session=True,
             )
         started.append(proc)
+        on_failure(request.node, f"log of scheduler {len(started)} ({log_path.name})", process_log(proc, log_path))
+        if broker.schema not in schemas:
+            schemas.add(broker.schema)
+            on_failure(request.node, f"rows of schema {broker.schema}", schema_rows(dramatiq_pg_url, broker.schema))
         return proc
 
     yield start
@@ -73,21 +83,26 @@ def test_three_schedulers_one_killed_one_paused_enqueue_each_tick_exactly_once(
     dramatiq_pg_broker_factory: Callable[..., PostgresBroker],
     schedulers: Callable[..., subprocess.Popen],
 ) -> None:
+    # ~15-20 s: three scheduler processes start (~2 s each under load), then a kill, a 5 s pause and
+    # the ticks after each (one a second): the scenario is wall-clock time.
     broker = dramatiq_pg_broker_factory()
     procs = [schedulers(broker) for _ in range(3)]
     wait_for(lambda: len(ticks_of(broker)) >= 2, timeout=60, what="the first ticks")
 
-    time.sleep(4)
+    def ticks_past(moment: datetime, seconds: int) -> None:
+        """Wait for the tick *seconds* after *moment* to be enqueued (by whichever scheduler is left)."""
+        wait_for(lambda: max(ticks_of(broker)) >= moment + timedelta(seconds=seconds), 30, f"the ticks after {moment}")
+
     killed_at = db_now(broker)
     os.kill(procs[0].pid, signal.SIGKILL)
     procs[0].wait()
-    time.sleep(3)
+    ticks_past(killed_at, 3)
     paused_at = db_now(broker)
-    os.kill(procs[1].pid, signal.SIGSTOP)
-    time.sleep(5)
+    stop_process(procs[1].pid)
+    time.sleep(5)  # the fault itself: a scheduler paused for 5 s (past its turn) while the third goes on
     os.kill(procs[1].pid, signal.SIGCONT)
     resumed_at = db_now(broker)
-    time.sleep(4)
+    ticks_past(resumed_at, 3)
     for proc in procs[1:]:
         proc.terminate()
     for proc in procs[1:]:

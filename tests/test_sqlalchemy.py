@@ -16,7 +16,8 @@ sqlalchemy = pytest.importorskip("sqlalchemy")
 from sqlalchemy import Engine, create_engine, text  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
-from dramatiq_pg_fenced import PostgresBroker, delivery  # noqa: E402
+from dramatiq_pg_fenced import PostgresBroker  # noqa: E402
+from dramatiq_pg_fenced.core import delivery  # noqa: E402
 from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError, NestedSendError  # noqa: E402
 from dramatiq_pg_fenced.integrations.sqlalchemy import fenced_transaction, outbox  # noqa: E402
 

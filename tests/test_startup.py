@@ -33,10 +33,11 @@ from dramatiq.errors import ConnectionClosed
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker, StartupError, migrations, reconnect
-from dramatiq_pg_fenced.database import connection_kwargs
-from dramatiq_pg_fenced.reconnect import PacedConnection
-from dramatiq_pg_fenced.startup import refused_for_good
+from dramatiq_pg_fenced import PostgresBroker, StartupError
+from dramatiq_pg_fenced.db import migrations, reconnect
+from dramatiq_pg_fenced.db.database import connection_kwargs
+from dramatiq_pg_fenced.db.reconnect import PacedConnection
+from dramatiq_pg_fenced.db.startup import refused_for_good
 
 REPO = Path(__file__).resolve().parent.parent
 #: Dramatiq's exit code for a broker that failed at worker start-up (dramatiq.cli.RET_CONNECT).

@@ -9,10 +9,12 @@ at most two server connections (its pool's one and its LISTEN one).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import dramatiq
 import psycopg
@@ -20,9 +22,12 @@ import pytest
 from helpers import clear_of_idle_polls, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker, database, doorbell, sql, turns
-from dramatiq_pg_fenced.consumer import PostgresConsumer
-from dramatiq_pg_fenced.turns import RING_STEP, Turns
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import turns
+from dramatiq_pg_fenced.core.consumer import PostgresConsumer
+from dramatiq_pg_fenced.core.turns import RING_STEP, Turns
+from dramatiq_pg_fenced.db import database, doorbell
+from dramatiq_pg_fenced.db import statements as sql
 
 
 def seated(rank: int, count: int, group: str = "") -> Turns:
@@ -79,6 +84,48 @@ def test_unknown_turns_make_every_chore_ours() -> None:
     assert t.mine("rescue", 1.0) and t.until_mine("poll q", 2.0) == 2.0 and t.ring_delay("q") == 0.0
     t._seats, t._read_at = {"": (1, 2)}, time.monotonic() - turns.STALE_AFTER - 1
     assert t.seat() is None  # read too long ago: unknown
+
+
+def test_only_the_process_on_duty_tries_the_charts_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given eight idle worker processes with known turns, I expect the minute's sample for the charts tried
+    by the process on duty only (each try is a transaction, and off duty a connection check before it: the
+    eight tried every 15 s each), and by every process while its turns are unknown."""
+    from contextlib import nullcontext
+
+    from dramatiq_pg_fenced.config import Settings
+    from dramatiq_pg_fenced.core import maintenance, samples
+    from dramatiq_pg_fenced.core.leases import Leases
+
+    class Beating:
+        active = True
+
+        def due(self) -> bool:
+            return False
+
+    class Pool:
+        def connection(self, raw: bool = False) -> Any:
+            return nullcontext()
+
+    log = logging.getLogger("test.turns")
+    tried: list[int] = []
+    monkeypatch.setattr(samples, "take_sample", lambda conn, statements: tried.append(1) or True)
+
+    def tries(t: Turns | None) -> int:
+        pool, beating = cast(Any, Pool()), cast(Any, Beating())
+        m = maintenance.Maintenance(
+            Leases(), pool, sql.statements("dramatiq"), Settings(), log, heartbeat=beating, turns=t
+        )
+        m.rescue = lambda full=True: 0  # type: ignore[method-assign]
+        m.purge = m.purge_history = lambda: 0  # type: ignore[method-assign]
+        tried.clear()
+        m.tick()
+        return len(tried)
+
+    now = time.time()
+    monkeypatch.setattr(turns, "time", SimpleNamespace(time=lambda: now, monotonic=time.monotonic))  # one window
+    processes = [seated(rank, 8) for rank in range(8)]
+    assert sorted(tries(p) for p in processes) == [0] * 7 + [1]  # the one on duty now
+    assert tries(None) == 1  # turns unknown: every process does every chore
 
 
 def test_one_process_answers_a_ring_at_once_the_others_one_step_apart() -> None:
@@ -172,7 +219,10 @@ def test_an_idle_queue_is_polled_by_one_process_per_window(
     threads = [threading.Thread(target=run, args=(c, stop, delivered)) for c in consumers]
     for t in threads:
         t.start()
-    time.sleep(0.6)  # the claims after the doorbells connected (every process: turns were unknown)
+    # The claims after the doorbells connected (every process claims once: turns were unknown) come at once
+    # after one of them holds the door and hears; wait for that, then for them.
+    wait_for(lambda: any(b.parts.turns.hearing() is not None for b in brokers), 30, "a process to hear")
+    time.sleep(0.6)
     since = time.time()
     time.sleep(2.0)
     stop.set()
@@ -209,7 +259,8 @@ def test_a_notification_leads_to_one_claim(
     threads = [threading.Thread(target=run, args=(c, stop, delivered)) for c in consumers]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # the claims after the doorbells connected
+    wait_for(lambda: any(b.parts.turns.hearing() is not None for b in brokers), 30, "a process to hear")
+    time.sleep(1.0)  # the claims after the doorbells connected (at once after the door's holder hears)
     clear_of_idle_polls(first, "rung", 3600, 6 * 3 * 0.5 + 10)  # an hourly poll is a claim too
     claims.clear()
     for n in range(6):

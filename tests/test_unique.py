@@ -27,10 +27,10 @@ from dramatiq.results import Results
 from helpers import expire_and_rescue, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
 from dramatiq_pg_fenced.errors import key_taken_meanwhile, worth_retrying
-from dramatiq_pg_fenced.results import PostgresBackend
-from dramatiq_pg_fenced.unique import MAX_KEY_BYTES
+from dramatiq_pg_fenced.features.results import PostgresBackend
+from dramatiq_pg_fenced.sending.unique import MAX_KEY_BYTES
 
 Q = "uq"
 

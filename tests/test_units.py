@@ -7,14 +7,14 @@ import dramatiq
 import pytest
 from dramatiq.middleware import Middleware
 
-from dramatiq_pg_fenced import sql as sql_module
-from dramatiq_pg_fenced.consumer import LostClaims
-from dramatiq_pg_fenced.delivery import PostgresMessageProxy, attempt_of
-from dramatiq_pg_fenced.fencing import State, Write, left_by, stale_message
+from dramatiq_pg_fenced.core.consumer import LostClaims
+from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy, attempt_of
+from dramatiq_pg_fenced.core.fencing import State, Write, left_by, stale_message
+from dramatiq_pg_fenced.core.leases import Leases, room
+from dramatiq_pg_fenced.core.outcomes import Outcome, retry_wakes
+from dramatiq_pg_fenced.db import statements as sql_module
+from dramatiq_pg_fenced.db.statements import statements
 from dramatiq_pg_fenced.hooks import active_hooks
-from dramatiq_pg_fenced.leases import Leases, room
-from dramatiq_pg_fenced.outcomes import Outcome, retry_wakes
-from dramatiq_pg_fenced.sql import statements
 
 
 def test_room_is_the_prefetch_of_unsettled_messages_and_under_twice_it_in_all() -> None:
@@ -151,7 +151,7 @@ def test_a_delivery_reads_as_its_message() -> None:
 def test_metrics_are_named_after_prometheus_conventions() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dramatiq_pg_fenced.metrics import families
+    from dramatiq_pg_fenced.ops.metrics import families
 
     queue = {
         "queue": "mail", "queued": 4, "due": 3, "delayed": 1, "running": 2, "prefetched": 1, "expired_leases": 1, "dead": 4, "cancelled": 0,
@@ -178,10 +178,47 @@ def test_metrics_are_named_after_prometheus_conventions() -> None:
     assert "dramatiq_pg_redeliveries_total 2.0" in text
 
 
+def test_fairness_keys_make_bounded_metrics_and_a_stats_table_and_a_queue_without_them_nothing() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dramatiq_pg_fenced.cli.output import fair_keys_table
+    from dramatiq_pg_fenced.ops.metrics import fair_families
+
+    top = [{"key": "acme", "due": 9, "oldest_wait_seconds": 61.25, "weight": 3.0},
+           {"key": "", "due": 2, "oldest_wait_seconds": 0.5, "weight": None}]  # fmt: skip
+    fair = {"keys": 40, "due": 50, "top": top, "other_keys": 38, "other_due": 39}
+    queues = [{"queue": "reports", "fair_keys": fair}, {"queue": "mail", "fair_keys": None}, {"queue": "old"}]
+
+    class Fixed:
+        def collect(self):
+            return fair_families(queues)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())
+    text = generate_latest(registry).decode()
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    assert samples == [
+        'dramatiq_pg_fair_keys{queue="reports"} 40.0',
+        'dramatiq_pg_fair_key_due{key="acme",queue="reports"} 9.0',
+        'dramatiq_pg_fair_key_due{key="",queue="reports"} 2.0',
+        'dramatiq_pg_fair_key_oldest_wait_seconds{key="acme",queue="reports"} 61.25',
+        'dramatiq_pg_fair_key_oldest_wait_seconds{key="",queue="reports"} 0.5',
+    ]
+    lines = fair_keys_table(queues).splitlines()
+    assert [line.split() for line in lines[:4]] == [
+        ["queue", "fairness", "key", "due", "oldest", "wait", "weight"],
+        ["reports", "acme", "9", "61.2s", "3"],
+        ["reports", "(no", "key)", "2", "0.5s"],
+        ["reports", "(38", "other", "keys)", "39"],
+    ]
+    assert fair_keys_table(queues[1:]) == ""
+    assert fair_keys_table([{**queues[0], "database": "eu"}]).split()[:2] == ["database", "queue"]
+
+
 def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
     from datetime import datetime, timedelta, timezone
 
-    from dramatiq_pg_fenced.admin import list_messages, page_cursor
+    from dramatiq_pg_fenced.ops.admin import list_messages, page_cursor
 
     at = datetime(2026, 1, 2, 3, 4, 5, 6789, tzinfo=timezone(timedelta(hours=2)))
     row = ("id", "a", "queued", 1, -3, at, at, at, None, None, False, 42)
@@ -194,7 +231,7 @@ def test_a_list_cursor_is_url_safe_and_a_bad_one_is_refused() -> None:
 
 
 def test_statements_are_read_only_and_complete() -> None:
-    from dramatiq_pg_fenced.sql import Statements
+    from dramatiq_pg_fenced.db.statements import Statements
 
     bound = statements("units")
     assert bound.ack_relaxed.startswith(b'WITH finished AS ( DELETE FROM "units".message')
@@ -202,16 +239,14 @@ def test_statements_are_read_only_and_complete() -> None:
         bound.ack = b"DELETE FROM elsewhere"
     with pytest.raises(AttributeError):
         del bound.ack
-    names = dict(vars(bound))
-    names.pop("ack")
-    with pytest.raises(TypeError, match="missing \\['ack'\\]"):
-        Statements(**names)
-    with pytest.raises(TypeError, match="unknown \\['nonsense'\\]"):
-        Statements(**vars(bound), nonsense=b"SELECT 1")
+    with pytest.raises(AttributeError, match="no statement named 'nonsense'"):
+        bound.nonsense  # noqa: B018
+    # every declared name has a template, and every template a declared name
+    assert set(Statements.__annotations__) == set(sql_module.templates())
 
 
 def test_an_error_summary_names_the_exception_first() -> None:
-    from dramatiq_pg_fenced.admin import error_summary
+    from dramatiq_pg_fenced.ops.admin import error_summary
 
     frames = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n'
     assert error_summary(frames + "ValueError: boom\n") == "ValueError: boom"
@@ -247,7 +282,7 @@ def test_every_statement_is_bound_as_psycopg_would_compose_it(schema: str) -> No
 
     bound = sql_module.statements(schema)
     ident = sql.Identifier(schema)
-    for name, text in sql_module._TEMPLATES.items():
+    for name, text in sql_module.templates().items():
         composed = sql.SQL(" ".join(text.split())).format(schema=ident).as_string(None).encode()
         assert getattr(bound, name) == composed, name
     assert b'"Jobs_2026".message' in bound.claim or schema != "Jobs_2026"
@@ -255,7 +290,7 @@ def test_every_statement_is_bound_as_psycopg_would_compose_it(schema: str) -> No
 
 def test_a_claim_takes_all_the_room_up_to_sixteen_then_a_power_of_two_within_it() -> None:
     """Each claim limit is a statement of its own (prepared, its plan kept): a few dozen at most."""
-    from dramatiq_pg_fenced.consumer import EXACT_LIMITS, claim_limit, with_limit
+    from dramatiq_pg_fenced.core.consumer import EXACT_LIMITS, claim_limit, with_limit
 
     assert [claim_limit(n) for n in (0, 1, 7, 16, 17, 31, 32, 100, 65535)] == [0, 1, 7, 16, 16, 16, 32, 64, 32768]
     assert all(claim_limit(n) <= n for n in range(1, 70_000))

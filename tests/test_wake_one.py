@@ -22,11 +22,13 @@ from collections.abc import Callable, Iterator
 import dramatiq
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import stop_process, wait_for
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, doorbell, turns
-from dramatiq_pg_fenced.consumer import PostgresConsumer
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import turns
+from dramatiq_pg_fenced.core.consumer import PostgresConsumer
+from dramatiq_pg_fenced.db import doorbell
 
 
 @pytest.fixture
@@ -192,7 +194,8 @@ def test_a_claim_says_took_only_in_its_telling_form_and_only_when_it_took_rows_a
     """The usual claim is one UPDATE and notifies nothing; the form used while an older process
     listens says ``!took`` in its own commit when it took rows and left the queue drained (short of
     its limit), and not when it took none or a full limit (more may wait)."""
-    from dramatiq_pg_fenced.consumer import HEAD, with_limit
+    from dramatiq_pg_fenced.core.consumer import with_limit
+    from dramatiq_pg_fenced.core.floor import HEAD
 
     broker = dramatiq_pg_broker_factory(durable_outcomes=durable)
     broker.declare_queue("q")
@@ -273,7 +276,7 @@ def test_a_stopped_listener_s_messages_are_delivered_by_the_others(
         wait_for(lambda: 0 in read(), 30, "the first message to be delivered")
         stopped = door_holder(broker, DEFAULT)
         assert stopped is not None
-        os.kill(stopped, signal.SIGSTOP)  # it would hear the next rings, and cannot answer them
+        stop_process(stopped)  # it would hear the next rings, and cannot answer them
         for n in range(1, 6):
             message = dramatiq.Message(
                 queue_name="default", actor_name="record_default", args=(n,), kwargs={}, options={}

@@ -1,8 +1,8 @@
 """MkDocs hooks: the pages kept at the repository's root, links to the rest of the repository, the version.
 
-- README.md, ARCHITECTURE.md, CHANGELOG.md and benchmarks/README.md stay where GitHub and PyPI
-  show them; the site renders them as ``index.md``, ``architecture.md``, ``changelog.md`` and
-  ``benchmarks.md``.
+- README.md, ARCHITECTURE.md, CHANGELOG.md, benchmarks/README.md and the harness adapter's README stay
+  where GitHub and PyPI show them; the site renders them as ``index.md``, ``architecture.md``,
+  ``changelog.md``, ``benchmarks.md`` and ``benchmarks-harness.md``.
 - Every page's links are written for the repository as it is checked out (``docs/x.md`` from the
   README, ``../examples/flask_app.py`` from a page), so they work on GitHub and in an editor. Here
   they are rewritten for the site: a link into docs/ points to its page, a link to one of those
@@ -10,7 +10,7 @@
   benchmark chart) to a copy served with the site under ``_repo/``. A link to a file that does not
   exist is left alone, so that the strict build fails on it.
 - The footer shows the package's version, read where hatch reads it (``__version__`` in
-  ``dramatiq_pg_fenced/__init__.py``), so it is written in one place.
+  ``dramatiq_pg_fenced/config.py``), so it is written in one place.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ ROOT_PAGES = {
     "ARCHITECTURE.md": "architecture.md",
     "CHANGELOG.md": "changelog.md",
     "benchmarks/README.md": "benchmarks.md",
+    "benchmarks/harness/dramatiq-pg-fenced-bench/README.md": "benchmarks-harness.md",
 }
 #: where copies of the other repository files linked from a page are served
 REPO_FILES = "_repo/"
@@ -44,10 +45,10 @@ def repo_root(config: MkDocsConfig) -> Path:
 
 
 def version(root: Path) -> str:
-    text = (root / "dramatiq_pg_fenced" / "__init__.py").read_text()
+    text = (root / "dramatiq_pg_fenced" / "config.py").read_text()
     found = re.search(r'^__version__ = "([^"]+)"', text, flags=re.M)
     if found is None:
-        raise ValueError("no __version__ in dramatiq_pg_fenced/__init__.py")
+        raise ValueError("no __version__ in dramatiq_pg_fenced/config.py")
     return found.group(1)
 
 

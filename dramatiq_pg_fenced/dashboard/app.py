@@ -9,54 +9,45 @@ import logging
 import secrets
 import urllib.parse
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from typing import Any
 
-from .. import admin, bulk
+import psycopg
+from dramatiq.errors import ConnectionClosed
+
 from ..config import Settings
-from ..database import Database
-from ..fleet import Fleet, Site
-from ..sql import FINISHED_STATES, Statements, check_queue
+from ..db.database import Database
+from ..db.statements import FINISHED_STATES, Statements
+from ..ops import admin, bulk
+from ..ops.fleet import Fleet, Site
 from .bulk_pages import LABELS, audit_page, bulk_page, request_ids, selection
 from .console_pages import charts_page, processes_page, search_page
-from .guards import AllowedHosts, Credentials, Sessions, plain, refuse_host
+from .guards import AllowedHosts, Sessions, plain, refuse_host
+from .health_pages import database_page
+from .pages import QueuePages
 from .render import (
-    COUNT_CAP,
     LOCAL_TARGET,
-    PAGE_SIZE,
-    PURGE_COUNT_CAP,
     ROOT,
     SECURITY_HEADERS,
     Environ,
     HTTPError,
     StartResponse,
-    age_text,
-    away_note,
-    count_text,
     esc,
     flash_note,
-    href,
-    html_table,
-    many_text,
     mount_path,
-    pretty_json,
-    purge_question,
     read_form,
     static_file,
-    static_name,
-    utc_time,
 )
+from .roles import READ_ONLY, ROLE, RoleCredentials, from_session, session_name
+from .row_actions import queue_question
+from .schedule_actions import SCHEDULE_ACTIONS, act_on_schedule, buttons
 from .schedule_pages import schedules_page
 
-ACTIONS = ("cancel", "redrive", "pause", "resume", "purge", "redrive_queue", "bulk")
-#: The header's links: (path, name).
-PAGES = (("/", "Queues"), ("/messages", "Messages"), ("/search", "Search"), ("/charts", "Charts"), ("/processes", "Processes"),
-         ("/schedules", "Schedules"), ("/audit", "Audit"), ("/metrics", "Metrics"))  # fmt: skip
+ACTIONS = ("cancel", "redrive", "pause", "resume", "purge", "redrive_queue", "bulk", *SCHEDULE_ACTIONS)
 
 logger = logging.getLogger(__package__)
 
 
-class Dashboard:
+class Dashboard(QueuePages):
     """The WSGI app.  Build it with :func:`dashboard_app` (from a broker) or from the parts.
 
     Parameters:
@@ -72,7 +63,9 @@ class Dashboard:
         :data:`LOOPBACK_HOSTS` (see :class:`AllowedHosts`): the names people
         reach it by, or the ``Host`` your proxy passes on.  Others get 400.
       auth: require HTTP authentication: ``"user:password"`` or a token (see
-        :class:`Credentials`); read it from a file or the environment, never
+        :class:`Credentials`), or several, one a line, each after an optional role
+        word (``operator``, ``read-only``: sees every page, acts on nothing; see
+        :mod:`.roles`); read it from a file or the environment, never
         from code or a command line.  ``None``: none (put the app behind yours).
       declared: the queues of the broker's actors, known before their first
         message (``dashboard_app`` passes the broker's).
@@ -117,7 +110,7 @@ class Dashboard:
         self.database, self.reader, self.statements, self.settings = (
             first.database, first.reader, first.statements, first.settings
         )
-        self.actions = actions
+        self._actions_on = actions
         self._ring = ring
         self.ring = self.ring_of(first)
         #: Forms carry it; a page of another site cannot read it.
@@ -127,8 +120,9 @@ class Dashboard:
             else secrets.token_urlsafe(32)
         )
         self.allowed_hosts = AllowedHosts(allowed_hosts)
-        self.auth = Credentials(auth) if auth is not None else None
-        self.sessions = Sessions(self.auth, secret) if self.auth is not None and login else None
+        self.auth = RoleCredentials(auth) if auth is not None else None
+        sessions = Sessions(self.auth, secret) if self.auth is not None and login else None  # type: ignore[arg-type]
+        self.sessions = sessions
         self.live = live
         #: The queues of the broker's actors (``dashboard_app``): known before their first message.
         self.declared = first.declared
@@ -144,21 +138,36 @@ class Dashboard:
         if path.startswith("/static/"):  # the package's own style and script: no secret in them
             return static_file(path[len("/static/") :], start_response)
         root = ROOT.set(mount_path(environ))
+        role = ROLE.set(None)
         try:
-            if self.auth is not None and not self.auth.accept(environ.get("HTTP_AUTHORIZATION") or ""):
+            sent = self.auth.accept(environ.get("HTTP_AUTHORIZATION") or "") if self.auth is not None else None
+            ROLE.set(sent)
+            if self.auth is not None and sent is None:
                 # Wrong credentials sent by a script (or no login page): 401, never the login page.
                 if self.sessions is None or environ.get("HTTP_AUTHORIZATION"):
                     challenge = ("WWW-Authenticate", 'Basic realm="dramatiq-pg-fenced dashboard", charset="UTF-8"')
                     return plain(start_response, "401 Unauthorized", "authentication required", challenge)
-                user = self.sessions.from_request(environ)
-                if user is None:
+                named = self.sessions.from_request(environ)
+                if named is None:
                     return self.login(environ, start_response)
+                user, given = from_session(named)
+                ROLE.set(given)
                 environ = {**environ, "dramatiq_pg.user": user or "(token)"}
                 if path == "/logout":
                     return self.logout(environ, start_response)
             return self._answer(environ, start_response)
         finally:
+            ROLE.reset(role)
             ROOT.reset(root)
+
+    @property
+    def actions(self) -> bool:  # type: ignore[override]
+        """Whether this request may act: the dashboard's actions are on and its credentials are not read-only's."""
+        return self._actions_on and ROLE.get() != READ_ONLY
+
+    @actions.setter
+    def actions(self, value: bool) -> None:
+        self._actions_on = value
 
     # -- login (served alone, with credentials and login=True) ----------------------
     def login(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -183,10 +192,12 @@ class Dashboard:
                 return plain(start_response, e.status, e.text)
             form = read_form(environ)
             wanted = form.get("next", "/")
-            if self.auth.check(form.get("user", ""), form.get("password", "")):
-                logger.info("Dashboard: login of %r", form.get("user", ""))
+            given = self.auth.check(form.get("user", ""), form.get("password", ""))
+            if given is not None:
+                logger.info("Dashboard: login of %r (%s)", form.get("user", ""), given)
                 target = wanted if LOCAL_TARGET.fullmatch(wanted) else "/"
-                cookie = self.sessions.set_cookie(self.sessions.issue(form.get("user", "")), environ, ROOT.get() or "/")
+                issued = self.sessions.issue(session_name(form.get("user", ""), given))
+                cookie = self.sessions.set_cookie(issued, environ, ROOT.get() or "/")
                 start_response("303 See Other", [("Location", ROOT.get() + target), cookie, *SECURITY_HEADERS])
                 return [b""]
             logger.warning("Dashboard: refused a login of %r", form.get("user", "")[:100])
@@ -242,6 +253,12 @@ class Dashboard:
                 body = self.queues_page(query)
             elif path == "/purge":
                 body = self.purge_page(query)
+            elif path == "/confirm":  # the queues page's pause and resume ask first, with the count
+                if not self.actions:
+                    raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
+                site = self.fleet.queue_site(query.get("queue", ""), database=query.get("database") or None)
+                title = f"{query.get('action', '').capitalize()} queue"
+                body = self.layout(title, queue_question(site, query.get("action", ""), query.get("queue", ""), self._form))
             elif path == "/messages":
                 body = self.messages_page(query)
             elif path == "/search":
@@ -256,11 +273,13 @@ class Dashboard:
                 body = self.layout("Audit log", flash_note(query) + audit_page(self.fleet, query))
             elif path == "/charts":
                 body = self.layout("Charts", charts_page(self.fleet, self.queue_names(), query))
+            elif path == "/database":
+                body = self.layout("Database", database_page(self.fleet))
             elif path == "/processes":
                 body = self.layout("Processes", processes_page(self.fleet))
             elif path == "/schedules":
-                title, content = schedules_page(self.fleet, query)
-                body = self.layout(title, content)
+                title, content = schedules_page(self.fleet, query, buttons(self._form) if self.actions else None)
+                body = self.layout(title, flash_note(query) + content)
             elif path.startswith("/message/"):
                 body = self.message_page(path[len("/message/") :], query)
             else:
@@ -282,7 +301,7 @@ class Dashboard:
 
     def metrics(self, start_response: StartResponse) -> Iterable[bytes]:
         try:
-            from .. import metrics
+            from ..ops import metrics
         except ImportError as e:
             raise HTTPError("501 Not Implemented", str(e)) from None
         if self._metrics is None:  # of several databases: each sample labelled with its database
@@ -295,6 +314,8 @@ class Dashboard:
     def act(self, environ: Environ) -> str:
         """Check and perform one action; returns where to go next."""
         if not self.actions:
+            if self._actions_on:  # on, but not for these credentials
+                raise HTTPError("403 Forbidden", "your credentials are read-only: they may not act")
             raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
         self._same_origin(environ)
         form = read_form(environ)
@@ -308,15 +329,26 @@ class Dashboard:
         if action in ("pause", "resume", "purge", "redrive_queue"):
             # Never a phantom queue (400, naming the known ones); the queue's database (its route, or where known).
             site = self.fleet.queue_site(form.get("queue", ""), database=named)
-        elif action in ("cancel", "redrive"):
+        elif action == "redrive":
             site = self._message_site(admin.check_message_id(message_id), named)
         ring, db, st = self.ring_of(site), site.database, site.statements
-        if action == "cancel":
-            outcome = admin.cancel(db, st, message_id, channel=site.settings.channel, seen=seen)
-            note = f"cancel: {outcome.value}"
+        if action in SCHEDULE_ACTIONS:
+            note = act_on_schedule(self.fleet, action, form, self.who(environ))
+        elif action == "cancel":
+            # As RoutedBroker.cancel: wherever it is now (a relay may have moved it since the page
+            # showed it), the version shown applying in the database it was shown in.
+            cancelled = self.fleet.cancel(message_id, seen=seen, database=named)
+            site = self.fleet.site(cancelled.database or named or site.name)
+            note = f"cancel: {cancelled.outcome.value}"
+            if cancelled.unreachable and cancelled.database is None:
+                note += f"; database {', '.join(cancelled.unreachable)} did not answer"
+            if cancelled.outcome is not admin.CancelOutcome.NOT_FOUND:  # (in the database that holds it)
+                did = cancelled.outcome in (admin.CancelOutcome.QUEUED, admin.CancelOutcome.RUNNING)
+                note += self._audited(site, environ, "cancel", message_id, did)
         elif action == "redrive":
             done = admin.redrive(db, st, [message_id], ring, seen=None if seen is None else {message_id: seen})
             note = "re-driven" if done.redriven else f"not re-driven: {'; '.join(done.skipped.values())}"
+            note += self._audited(site, environ, "redrive", message_id, bool(done.redriven))
         elif action == "redrive_queue":
             again = FINISHED_STATES if form.get("state") == "all" else (form.get("state") or "dead",)
             done = admin.redrive_queue(db, st, form.get("queue", ""), again, ring, actor=form.get("actor") or None)
@@ -359,7 +391,7 @@ class Dashboard:
             note = "purged: " + ", ".join(f"{k} {v}" for k, v in deleted.items())
         else:
             raise HTTPError("400 Bad Request", f"unknown action {action!r}")
-        if self.fleet.several and action != "bulk":
+        if self.fleet.several and action not in ("bulk", *SCHEDULE_ACTIONS):
             note += f" ({site.label})"
         logger.info("Dashboard action %s: %s", action, note)
         target = form.get("next", "/")
@@ -367,6 +399,17 @@ class Dashboard:
             target = "/"  # never a redirect elsewhere
         joiner = "&" if "?" in target else "?"
         return f"{ROOT.get()}{target}{joiner}{urllib.parse.urlencode({'note': note})}"
+
+    def _audited(self, site: Site, environ: dict[str, Any], action: str, message_id: str, touched: bool) -> str:
+        """Record a message page's action in the audit log of the database that holds the message (its
+        story shows it); a record that fails after the action was done is said in the note, not a 500."""
+        try:
+            bulk.record(site.database, site.statements, who=self.who(environ), action=action, message_id=message_id,
+                        touched=touched)  # fmt: skip
+        except (psycopg.Error, ConnectionClosed) as e:
+            logger.warning("Dashboard: %s of %s done, not recorded in the audit log: %s", action, message_id, e)
+            return f"; not recorded in the audit log ({type(e).__name__})"
+        return ""
 
     def ring_of(self, site: Site) -> str | None:
         """The NOTIFY channel a re-drive or resume in *site* rings (``None``: no ring)."""
@@ -437,293 +480,6 @@ class Dashboard:
         origin = environ.get("HTTP_ORIGIN")
         if origin is not None and not self.allowed_hosts.allows_origin(origin):
             raise HTTPError("403 Forbidden", "cross-origin request refused")
-
-    def _form(self, action: str, label: str, fields: dict[str, str], next_url: str, extra: str = "") -> str:
-        if not self.actions:
-            return ""
-        hidden = "".join(
-            f'<input type=hidden name="{esc(k)}" value="{esc(v)}">'
-            for k, v in {"token": self.token, "action": action, "next": next_url, **fields}.items()
-        )
-        return f'<form method=post action="{ROOT.get()}/action" class=inline>{hidden}{extra}<button name=do value="{esc(action)}">{esc(label)}</button></form>'
-
-    # -- pages -------------------------------------------------------------------
-    def queues_page(self, query: dict[str, str]) -> str:
-        several = self.fleet.several
-        read, away = self.fleet.each(lambda site: admin.overview(site.reader, site.statements, cap=COUNT_CAP + 1))
-        queues = [(site, q) for site, found in read for q in found]
-        heads = ["queue", "queued", "delayed", "running", "prefetched", "expired leases", "dead", "cancelled", "done 1 min",
-                 "done 1 h", "dead 1 h", "stale writes", "oldest due", ""]  # fmt: skip
-        if several:
-            heads.insert(0, "database")
-        rows = []
-        for site, q in queues:
-            name, db = q["queue"], site.name
-            where = {"database": db} if db else {}
-            link = href("/messages", queue=name, state="queued", database=db)
-            paused = " <span class=badge>paused</span>" if q["paused_since"] else ""
-            actions = ""
-            if self.actions:
-                toggle = ("resume", "Resume") if q["paused_since"] else ("pause", "Pause")
-                actions = (
-                    self._form(toggle[0], toggle[1], {"queue": name, **where}, "/")
-                    + self._form("redrive_queue", "Re-drive dead", {"queue": name, "state": "dead", **where}, "/")
-                    + purge_question(name, db)
-                )
-            cells = [
-                f'<a href="{link}">{esc(name)}</a>{paused}',
-                count_text(q["queued"]),
-                count_text(q["delayed"]),
-                count_text(q["running"]),
-                f'<a href="{ROOT.get()}/processes">{count_text(q["prefetched"])}</a>' if q["prefetched"] else "0",
-                count_text(q["expired_leases"]),
-                f'<a href="{href("/messages", queue=name, state="dead", database=db)}">{count_text(q["dead"])}</a>',
-                f'<a href="{href("/messages", queue=name, state="cancelled", database=db)}">{count_text(q["cancelled"])}</a>',
-                count_text(q["done_last_minute"]),
-                f'<a href="{href("/messages", queue=name, state="done", database=db)}">{count_text(q["done_last_hour"])}</a>',
-                count_text(q["dead_last_hour"]),
-                count_text(q["stale_writes"]),
-                age_text(q["oldest_due_seconds"]),
-                actions,
-            ]
-            rows.append([f"<span class=database>{esc(db)}</span>", *cells] if several else cells)
-        table = html_table(heads, rows, cls="queues") if rows else "<p>No messages in any queue.</p>"
-        table = away_note(away) + table
-        note = f"<p class=note>Counts above {COUNT_CAP:,} show as {COUNT_CAP:,}+. Queued includes delayed messages (due later). Running: claimed and its actor started; prefetched: claimed, waiting in a worker's prefetch (as of the workers' last heartbeats, see Processes).</p>"
-        return self.layout("Queues", flash_note(query) + table + note)
-
-    def purge_page(self, query: dict[str, str]) -> str:
-        """The question before a purge: how many rows of which states it deletes (counted now)."""
-        if not self.actions:
-            raise HTTPError("403 Forbidden", "actions are off: start the dashboard with actions enabled")
-        queue, state = query.get("queue", ""), query.get("state") or "dead"
-        actor = query.get("actor", "").strip()
-        site = self.fleet.queue_site(queue, database=query.get("database") or None)
-        if state != "all" and state not in admin.PURGEABLE:
-            raise ValueError(f"cannot purge state {state!r}: one of all, {', '.join(admin.PURGEABLE)}")
-        states = admin.PURGEABLE if state == "all" else (state,)
-        counts = admin.purge_counts(
-            site.database, site.statements, queue, states, actor=actor or None, cap=PURGE_COUNT_CAP + 1
-        )
-        total = sum(counts.values())
-        what = f"{many_text(total)} {'' if state == 'all' else state + ' '}message{'' if total == 1 else 's'}"
-        what += f" of queue {queue}" + (f" of actor {actor}" if actor else "") + (f" in {site.label}" if site.name else "")
-        if state == "all":
-            what += " (" + ", ".join(f"{s} {many_text(n)}" for s, n in counts.items()) + ")"
-        if not total:
-            return self.layout(
-                "Purge", f'<p id=nothing>Nothing to purge: {esc(what)}.</p><p><a href="{ROOT.get()}/">Back</a></p>'
-            )
-        fields = {"queue": queue, "state": state, "actor": actor, "confirm": "yes", **({"database": site.name} if site.name else {})}
-        body = (
-            f"<p id=question>Delete {esc(what)}?</p>"
-            "<p class=note>Counted just now; running messages are never deleted, and any that arrive meanwhile in "
-            "these states are deleted too. This cannot be undone.</p>"
-            f'<p class=actions>{self._form("purge", f"Delete {many_text(total)}", fields, "/")} <a href="{ROOT.get()}/">Cancel</a></p>'
-        )
-        return self.layout("Purge", body)
-
-    def queue_names(self) -> list[str]:
-        """The queues known (a message, a pause) or declared (the broker's actors), sorted; of every database."""
-        return self.fleet.queue_names()
-
-    def messages_page(self, query: dict[str, str]) -> str:
-        queue = query.get("queue", "")
-        state = query.get("state", "queued")
-        actor = query.get("actor", "").strip()
-        names = self.queue_names()
-        if not queue and names:
-            queue = names[0]
-        if queue and queue not in names:
-            raise HTTPError("404 Not Found", str(admin.unknown_queue(check_queue(queue), names)))
-        named = query.get("database") or None
-        site = self._reading_site(queue, named) if queue else self.fleet.sites[0]
-        options = "".join(f"<option{' selected' if n == queue else ''}>{esc(n)}</option>" for n in names)
-        states = "".join(f"<option{' selected' if s == state else ''}>{s}</option>" for s in admin.LISTABLE)
-        databases = ""
-        if self.fleet.several:
-            choices = "<option value=''>the queue's</option>" + "".join(
-                f"<option{' selected' if s.name == named else ''}>{esc(s.name)}</option>" for s in self.fleet
-            )
-            databases = f"<label>database <select name=database id=database>{choices}</select></label> "
-        form = (
-            f'<form method=get action="{ROOT.get()}/messages" class=filters>'
-            f"<label>queue <select name=queue id=queue>{options}</select></label> {databases}"
-            f"<label>state <select name=state id=state>{states}</select></label> "
-            f'<label>actor <input name=actor id=actor value="{esc(actor)}" placeholder="any"></label> '
-            "<button id=filter>Filter</button></form>"
-        )
-        if not queue:
-            return self.layout("Messages", form + "<p>No queues yet.</p>")
-        check_queue(queue)
-        page = admin.list_messages(
-            site.reader, site.statements, queue, state, actor=actor or None, after=query.get("after"), limit=PAGE_SIZE
-        )
-        db = site.name
-        where = {"database": db} if db else {}
-        when = {"queued": "due", "running": "lease until", "done": "claimed"}.get(state, "due")
-        heads = [
-            "message",
-            "actor",
-            "state",
-            "attempt",
-            "priority",
-            "enqueued",
-            when,
-            "finished",
-            "holder",
-            "last error",
-        ]
-        rows = [
-            [
-                f'<a href="{ROOT.get()}/message/{esc(r["message_id"])}" class=mid>{esc(r["message_id"])}</a>',
-                esc(r["actor_name"]),
-                esc(r["state"])
-                + (
-                    f"<br><small class=note>{esc(admin.still_running_note(r['lease_holder'], r['running_since']))}</small>"
-                    if r["still_running"]
-                    else ""
-                ),
-                str(r["attempt"]),
-                str(r["priority"]),
-                utc_time(r["enqueued_at"], short=True),
-                utc_time(r["at"], short=True),
-                "" if r["still_running"] else utc_time(r["finished_at"], short=True),
-                esc(r["lease_holder"] or ""),
-                f"<span class=err>{esc(admin.error_summary(r['last_error'], limit=160))}</span>",
-            ]
-            for r in page.rows
-        ]
-        order = {
-            "queued": "next to run first",
-            "running": "newest first; claimed, whether its actor started or it waits in a worker's prefetch "
-            "(the Processes page tells them apart per process)",
-        }.get(state, "most recently finished first")
-        body = form + f"<p class=note>{esc(queue)}{esc(' in ' + site.label) if db else ''}, {esc(state)}: {order}; times in UTC.</p>"
-        body += html_table(heads, rows, cls="messages") if rows else "<p id=empty>No messages.</p>"
-        if page.searched:
-            body += (
-                f"<p class=note id=searched>Searched {page.searched:,} messages for this actor; more may follow.</p>"
-            )
-        if page.next:
-            body += f'<p><a id=next href="{href("/messages", queue=queue, state=state, actor=actor, after=page.next, database=db)}">Next page</a></p>'
-        if self.actions and rows:  # the bulk actions, on every message of this list (not only this page)
-            these = f"{state} messages of {queue}" + (f" of actor {actor}" if actor else "")
-            bulk = ""
-            if state in FINISHED_STATES:
-                fields = {"queue": queue, "state": state, "actor": actor, **where}
-                back = "/messages?" + urllib.parse.urlencode({"queue": queue, **where})
-                bulk += self._form("redrive_queue", f"Re-drive every {these}", fields, back)
-            if state in admin.PURGEABLE:
-                link = href("/purge", queue=queue, state=state, actor=actor, database=db)
-                bulk += f'<a id=purge-these href="{link}">Purge every {esc(these)}…</a>'
-            body += f"<p class=actions>{bulk}</p>" if bulk else ""
-        return self.layout("Messages", flash_note(query) + body)
-
-    def message_page(self, message_id: str, query: dict[str, str]) -> str:
-        message_id = admin.check_message_id(urllib.parse.unquote(message_id))
-        found = self.fleet.message_site(message_id)
-        if found is None:
-            anywhere = " in any database" if self.fleet.several else ""
-            raise HTTPError("404 Not Found", f"no message {message_id}{anywhere} (unknown, or finished longer ago than kept)")
-        site, info = found
-        db = site.name
-        here = f"/message/{message_id}"
-        fields = [
-            (
-                "state",
-                f"<span id=state>{esc(info['state'])}</span>"
-                + (f" <span class=badge id=still-running>{esc(info['note'])}</span>" if info["still_running"] else ""),
-            ),
-            (
-                "queue",
-                f'<a href="{href("/messages", queue=info["queue_name"], state=info["state"], database=db)}">{esc(info["queue_name"])}</a>',
-            ),
-            ("actor", esc(info["actor_name"])),
-            ("attempt", f"{info['attempt']} (deliveries so far)"),
-            ("retries", esc(str(info.get("retries")))),
-            ("priority", str(info["priority"])),
-            ("enqueued", utc_time(info["enqueued_at"])),
-            ("due", utc_time(info["available_at"])),
-            ("claimed", utc_time(info["claimed_at"])),
-            ("lease until", utc_time(info["lease_expires_at"])),
-            ("lease holder", esc(info["lease_holder"] or "")),
-            ("cancel requested" if info["still_running"] else "finished", utc_time(info["finished_at"])),
-            ("ran", age_text(info["ran_seconds"])),
-        ]
-        if db:
-            fields.insert(0, ("database", f"<span id=database>{esc(db)}</span>"))
-        if info.get("unique_key") is not None:
-            fields.append(("unique key", f"{esc(info['unique_key'])} (unique_until={esc(info['unique_until'])})"))
-        body = (
-            flash_note(query)
-            + "<div class=scroll><table class=fields>"
-            + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in fields)
-        )
-        body += "</table></div>"
-        if "decode_error" in info:
-            body += f"<p class=error>Payload not decodable here: {esc(info['decode_error'])}</p>"
-        else:
-            body += "<h2>Arguments</h2><pre id=args>" + esc(
-                pretty_json({"args": info["args"], "kwargs": info["kwargs"]})
-            )
-            body += "</pre><h2>Options</h2><pre>" + esc(pretty_json(info["options"])) + "</pre>"
-        if info["last_error"]:
-            body += f"<h2>Last error</h2><p class=err id=error>{esc(info['error'])}</p>"
-            body += f"<pre class=err>{esc(info['last_error'])}</pre>"
-        if info["history"]:
-            heads = ["finished", "attempt", "holder", "ran"]
-            rows = [[utc_time(h["finished_at"]), str(h["attempt"]), esc(h["lease_holder"] or ""), age_text(h["ran_seconds"])]
-                    for h in info["history"]]  # fmt: skip
-            body += "<h2>History</h2>" + html_table(heads, rows)
-        if self.actions:
-            buttons = ""
-            shown = {"message_id": message_id, "seen": info["version"], **({"database": db} if db else {})}
-            if info["state"] in ("queued", "running"):
-                buttons += self._form("cancel", "Cancel", shown, here)
-            if info["state"] in FINISHED_STATES and not info["still_running"]:  # not while its actor runs
-                buttons += self._form("redrive", "Re-drive", shown, here)
-            if info["state"] == "queued" and info["available_at"] > datetime.now(timezone.utc):  # delayed: asks first
-                link = href("/bulk", action="run_now", scope="selected", ids=message_id)
-                buttons += f'<a id=run-now href="{link}">Run now…</a>'
-
-            body += f"<p class=actions>{buttons}</p>" if buttons else ""
-        return self.layout(f"Message {message_id}", body)
-
-    def _where(self) -> str:
-        """The header's words for what is shown: the schema, or each database's name and schema."""
-        if not self.fleet.several:
-            return f"schema {self.settings.schema}"
-        return "databases " + ", ".join(f"{s.name} ({s.settings.schema})" for s in self.fleet)
-
-    def layout(self, title: str, body: str, *, nav: bool = True) -> str:
-        """A whole page: *body* goes in ``<div id=content>``, the part ``live.js`` replaces.  Without *nav*
-        (the login page) it names nothing of this server."""
-        root = ROOT.get()
-        head = (
-            "<!doctype html><html lang=en><head><meta charset=utf-8>"
-            '<meta name=viewport content="width=device-width, initial-scale=1">'
-            f"<title>{esc(title)} · dramatiq-pg-fenced</title>"
-            f'<link rel=stylesheet href="{root}/static/{static_name("style.css")}">'
-        )
-        if not nav:
-            return f"{head}</head><body><header><b>dramatiq-pg-fenced</b></header><main><h1>{esc(title)}</h1>{body}</main></body></html>"
-        mode = "actions on" if self.actions else "read-only"
-        links = " ".join(f'<a href="{root}{path}">{name}</a>' for path, name in PAGES)
-        logout = ""
-        if self.sessions is not None:
-            logout = (
-                f'<form method=post action="{root}/logout"><input type=hidden name=token value="{esc(self.token)}">'
-                "<button id=logout>Log out</button></form>"
-            )
-        live = ""
-        if self.live:
-            live = "<button type=button id=live-toggle hidden>Pause live</button> <span id=live-status></span>"
-        return f"""{head}<script src="{root}/static/{static_name("live.js")}" defer></script></head>
-<body data-live="{self.live:g}"><header><b>dramatiq-pg-fenced</b> <span class=schema>{esc(self._where())}</span>
-<nav>{links}</nav>{live}<span class=mode>{mode}</span>{logout}</header>
-<main><h1>{esc(title)}</h1><div id=content>{body}</div></main></body></html>"""
-
 
 def dashboard_app(
     broker: Any,

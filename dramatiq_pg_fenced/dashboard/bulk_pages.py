@@ -16,13 +16,16 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from .. import bulk
-from ..fleet import Fleet
+from ..ops import bulk
+from ..ops.fleet import Fleet
 from .console_pages import BULK_LABELS, SEARCH_FIELDS, search_query
 from .render import PAGE_SIZE, away_note, esc, href, html_table, none_answered, utc_time
 
 #: The buttons' words for each action.
 LABELS = BULK_LABELS
+#: The audit log's words for each action it records: the bulk actions' and the schedules' (schedule_control).
+AUDIT_WORDS = {**LABELS, "schedule_pause": "Pause schedule", "schedule_resume": "Resume schedule",
+               "schedule_run_now": "Run schedule now"}  # fmt: skip
 #: What each action applies to, said in the question.
 APPLIES = {
     "redrive": "dead or cancelled",
@@ -55,6 +58,19 @@ def request_ids(query_string: str) -> list[str]:
         if name == "ids":
             found += [v.strip() for v in value.split(",") if v.strip()]
     return list(dict.fromkeys(found))
+
+
+def question(action: str, count: str, plural: str, chosen: dict[str, Any]) -> str:
+    """The question itself: "Re-drive 137 dead messages of queue work?" (issue 42, point 3)."""
+    if "ids" in chosen:
+        return f"{LABELS[action]} {count} message{plural}: the {APPLIES[action]} ones of {describe(action, chosen)}?"
+    rest = {k: v for k, v in chosen.items() if k not in ("state", "queue")}
+    kind = f"{chosen['state']} " if chosen.get("state") else ""
+    text = f"{LABELS[action]} {count} {kind}message{plural}"
+    text += f" of queue {chosen['queue']}" if chosen.get("queue") else ""
+    if rest:
+        text += ", " + ", ".join(f"{k} {v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items())
+    return text + ("?" if kind else f" ({APPLIES[action]})?")
 
 
 def describe(action: str, chosen: dict[str, Any]) -> str:
@@ -104,11 +120,11 @@ def bulk_page(
         fields["ids"] = ",".join(chosen["ids"])
     else:
         fields.update({f: query[f] for f in SEARCH_FIELDS if f != "id" and query.get(f)})
-    button = form("bulk", f"{LABELS[action]} {count} message{'' if preview.count == 1 else 's'}", fields, "/audit")
+    plural = "" if preview.count == 1 else "s"
+    button = form("bulk", f"{LABELS[action]} {count} message{plural}", fields, "/audit", danger=True)
     where = f" ({per_database}; each database's action is recorded in its own audit log)" if per_database else ""
     return (
-        f"<p id=question>{esc(LABELS[action])} {count} message{'' if preview.count == 1 else 's'}: the "
-        f"{esc(APPLIES[action])} ones of {esc(what)}?{esc(where)}</p>{more}"
+        f"<p id=question class=question>{esc(question(action, count, plural, chosen))}{esc(where)}</p>{more}"
         "<p class=note>Counted just now; messages that change meanwhile are acted on as they are then (each "
         "step checks the state again), and what is done is recorded in the audit log with your name.</p>"
         f'<p class=actions>{button} <a href="{back}" id=back>Back, doing nothing</a></p>'
@@ -137,7 +153,7 @@ def _audit_log(site: Any, query: dict[str, str]) -> str:
             str(r["id"]),
             utc_time(r["at"], short=True),
             esc(r["who"]),
-            esc(LABELS.get(r["action"], r["action"])),
+            esc(AUDIT_WORDS.get(r["action"], r["action"])),
             f"<code>{esc(_selection_text(r['selection']))}</code>",
             f"{r['previewed']:,}",
             "" if r["touched"] is None else f"{r['touched']:,}",
@@ -146,7 +162,7 @@ def _audit_log(site: Any, query: dict[str, str]) -> str:
         ]
         for r in page.rows
     ]
-    body = html_table(heads, rows, cls="audit") if rows else "<p id=empty>No bulk action yet.</p>"
+    body = html_table(heads, rows, cls="audit", cards=True) if rows else "<p id=empty>No bulk action yet.</p>"
     if page.next:
         body += f'<p><a id=next href="{href("/audit", after=page.next, database=site.name)}">Older</a></p>'
     return body

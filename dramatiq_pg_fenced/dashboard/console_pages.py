@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import admin, charts, search
-from ..fleet import Fleet
-from ..processes import processes
+from ..core.processes import processes
+from ..ops import admin, charts, search
+from ..ops.fleet import Fleet
 from . import svg
 from .render import PAGE_SIZE, ROOT, HTTPError, age_text, away_note, esc, href, html_table, none_answered, utc_time
+from .timing_pages import timing_charts
 
 
 def processes_page(fleet: Fleet) -> str:
@@ -66,7 +67,7 @@ def processes_page(fleet: Fleet) -> str:
         "process's row goes an hour after its last heartbeat; the messages it held come back when their "
         "leases expire. Times in UTC.</p>"
     )
-    return away_note(away) + summary + html_table(heads, rows, cls="processes") + note
+    return away_note(away) + summary + html_table(heads, rows, cls="processes", cards=True) + note
 
 
 def charts_page(fleet: Fleet, queues: list[str], query: dict[str, str]) -> str:
@@ -117,17 +118,25 @@ def charts_page(fleet: Fleet, queues: list[str], query: dict[str, str]) -> str:
         data.minutes,
         [("finished", data.finished), ("failed", data.failed), ("retried", data.retried)],
         chart_id="outcomes",
+        y_label="messages / minute",
     )
-    depth = svg.line_chart("Due messages (depth)", data.minutes, [("due", data.due)], chart_id="depth")
+    depth = svg.line_chart(
+        "Due messages (depth)", data.minutes, [("due", data.due)], chart_id="depth", y_label="messages"
+    )
     age = svg.line_chart(
         "Oldest due message's age", data.minutes, [("oldest due", data.oldest_due_seconds)], unit=lambda v: age_text(v) if v else "0",
-        chart_id="age",
+        chart_id="age", y_label="age",
     )  # fmt: skip
+    times, times_line, times_note, slow = timing_charts(fleet, [s for s, _ in read], queue, span, data.minutes)
     note = (
         "<p class=note>One point per minute, times in UTC. Depth and age are sampled as each minute begins by a "
         "running worker's maintenance loop: a gap is a minute without a sample (no worker ran). Kept a day.</p>"
     )
-    return away_note(away) + form + totals + f"<div class=charts>{outcomes}{depth}{age}</div>" + note
+    away += [name for name in slow if name not in away]
+    return (
+        away_note(away) + form + totals + times_line
+        + f"<div class=charts>{outcomes}{depth}{age}{times}</div>" + note + times_note
+    )  # fmt: skip
 
 
 def _summed(each: list[charts.Series]) -> charts.Series:
@@ -173,6 +182,9 @@ def search_query(query: dict[str, str]) -> dict[str, Any]:
         text = query.get(field, "").strip()
         if not text:
             continue
+        if field == "args" and text[:1] not in ("[", "{"):  # a plain value, as people type it
+            wanted["value"] = text
+            continue
         try:
             value = json.loads(text)
         except ValueError:
@@ -200,14 +212,16 @@ def search_page(fleet: Fleet, queues: list[str], query: dict[str, str], *, actio
         f"<label>queue <select name=queue id=s-queue>{queue_options}</select></label> "
         f'<label>actor <input name=actor id=s-actor value="{esc(query.get("actor", ""))}" placeholder=any></label> '
         f"<label>state <select name=state id=s-state>{state_options}</select></label> "
-        f'<label>args contain <input name=args id=s-args value="{esc(query.get("args", ""))}" placeholder="[42]"></label> '
+        f'<label>arguments hold <input name=args id=s-args value="{esc(query.get("args", ""))}" placeholder="alice, 42 or [42]"></label> '
         f'<label>kwargs contain <input name=kwargs id=s-kwargs value="{esc(query.get("kwargs", ""))}" '
         "placeholder='{\"user\": 7}'></label> <button id=search>Search</button></form>"
     )
     if not any(query.get(f, "").strip() for f in SEARCH_FIELDS) and "go" not in query:
         hint = (
-            "<p class=note>Every field is optional; all those given must match. <b>args contain</b>: a JSON list "
-            "of values the positional arguments include; <b>kwargs contain</b>: a JSON object the keyword "
+            "<p class=note>Every field is optional; all those given must match. <b>arguments hold</b>: a value "
+            "(<code>alice</code>, <code>42</code>, an id; <code>\"42\"</code> quoted: that string only) that one "
+            "of the arguments, positional or keyword, equals, at any depth; or a JSON list of values the positional "
+            "arguments include (<code>[42, \"a\"]</code>); <b>kwargs contain</b>: a JSON object the keyword "
             "arguments include (JSON containment). Queued, running, dead and cancelled messages, and the finished "
             "ones kept in the history.</p>"
         )
@@ -238,7 +252,7 @@ def search_page(fleet: Fleet, queues: list[str], query: dict[str, str], *, actio
             utc_time(r["enqueued_at"], short=True),
             utc_time(r["finished_at"], short=True),
             "" if r.get("decode_error") else f"<code>{esc(_short_json(r['args'], r['kwargs']))}</code>",
-            f"<span class=err>{esc(admin.error_summary(r['last_error'], limit=120))}</span>",
+            f"<span class=err>{esc(admin.error_summary(r['last_error'], limit=120))}</span>" if r["last_error"] else "",
         ]
         for r in page.rows
     ]
@@ -254,7 +268,7 @@ def search_page(fleet: Fleet, queues: list[str], query: dict[str, str], *, actio
     body = (
         form
         + away_note(away)
-        + (html_table(heads, rows, cls="found") if rows else "<p id=empty>No message matches.</p>")
+        + (html_table(heads, rows, cls="found", cards=True) if rows else "<p id=empty>No message matches.</p>")
     )
     if actions and rows:
         body += _bulk_form(query)

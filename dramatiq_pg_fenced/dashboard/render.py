@@ -126,10 +126,18 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, default=repr, ensure_ascii=False)
 
 
-def html_table(heads: list[str], rows: list[list[str]], cls: str = "") -> str:
+def html_table(heads: list[str], rows: list[list[str]], cls: str = "", *, cards: bool = False) -> str:
+    """A table in a box that scrolls sideways when the table is wider than the page.  *cards*: on a phone
+    (style.css) each row is a card, each value after its column's name (its cell's ``data-label``), so
+    that a list of many columns is read down the screen rather than scrolled across it."""
     head = "".join(f"<th>{esc(h)}</th>" for h in heads)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<div class=scroll><table class={cls or 'plain'}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    labels = [f' data-label="{esc(h)}"' if cards and h else "" for h in heads]
+    body = "".join(
+        "<tr>" + "".join(f"<td{labels[i] if i < len(labels) else ''}>{c}</td>" for i, c in enumerate(row)) + "</tr>"
+        for row in rows
+    )
+    classes = f'"{cls or "plain"} cards"' if cards else (cls or "plain")
+    return f"<div class=scroll><table class={classes}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 #: Where an action may send the browser next: a path here.  Printable ASCII only (browsers drop tabs
@@ -160,7 +168,8 @@ def read_form(environ: Environ, limit: int = 10_000) -> dict[str, str]:
 
 
 #: The files under ``/static/``, shipped in the package (the wheel includes them): name -> content type.
-STATIC = {"style.css": "text/css; charset=utf-8", "live.js": "text/javascript; charset=utf-8"}
+STATIC = {"style.css": "text/css; charset=utf-8", "live.js": "text/javascript; charset=utf-8",
+          "theme.js": "text/javascript; charset=utf-8"}
 _static: dict[str, bytes] = {}
 
 

@@ -15,13 +15,14 @@ records, by the table's primary key).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from .. import schedules
-from ..database import Database
-from ..fleet import Fleet
-from ..sql import Statements
+from ..db.database import Database
+from ..db.statements import Statements
+from ..features import schedules
+from ..ops.fleet import Fleet
 from .render import ROOT, HTTPError, away_note, esc, href, html_table, utc_time
 
 #: Missed ticks are counted up to here, per interval (shown as "1000+").
@@ -54,12 +55,24 @@ def _timing(row: dict[str, Any]) -> schedules.Timing:
 def overdue(row: dict[str, Any], now: datetime) -> int:
     """Ticks of a schedule (a row of :func:`.schedules.overview`) due more than its grace before *now* and
     not enqueued: counted from its last tick, or from its last change (earlier ticks never count)."""
-    since = max(row["last_tick"] or row["changed_at"], row["changed_at"])
+    if row.get("paused_at"):
+        return 0  # paused by an operator: nothing is owed
+    start = max(row["changed_at"], row.get("resumed_at") or row["changed_at"])  # a resume owes nothing before it
+    since = max(row["last_tick"] or start, start)
     cut = now - timedelta(milliseconds=row["grace_ms"])
     return missed_between(_timing(row), since, cut + timedelta(microseconds=1)) if since < cut else 0
 
 
 def _status(row: dict[str, Any]) -> str:
+    pending = row.get("runs_pending") or 0
+    run = f"; <span class=badge id=runs-pending>run now: {pending} pending</span>" if pending else ""
+    if row.get("paused_at"):
+        by = f" by {esc(row['paused_by'])}" if row.get("paused_by") else ""
+        return f"<span class='badge paused'>paused</span>{by} since {utc_time(row['paused_at'], short=True)}{run}"
+    return _running_status(row) + run
+
+
+def _running_status(row: dict[str, Any]) -> str:
     if row["stale"]:
         return "<span class='badge stale'>stale</span> no scheduler declares it"
     if row["outdated"]:
@@ -73,7 +86,10 @@ def _message_link(message_id: str | None) -> str:
     return f'<a class=mid href="{ROOT.get()}/message/{esc(message_id)}">{esc(message_id)}</a>'
 
 
-def schedules_page(fleet: Fleet, query: dict[str, str]) -> tuple[str, str]:
+Buttons = Callable[[Any, dict[str, Any], str], str]
+
+
+def schedules_page(fleet: Fleet, query: dict[str, str], buttons: Buttons | None = None) -> tuple[str, str]:
     """``/schedules`` (every schedule), or ``/schedules?name=N`` (one, with its recent ticks): (title, body).
     Of several databases, every database's schedules (each kept with its queue's database), named."""
     read, away = fleet.each(lambda site: schedules.overview(site.reader, site.statements))
@@ -85,9 +101,12 @@ def schedules_page(fleet: Fleet, query: dict[str, str]) -> tuple[str, str]:
         if not found:
             raise HTTPError("404 Not Found", f"no schedule {name!r}")
         site, row = found[0]
-        return f"Schedule {name}", _one(site.reader, site.statements, row, now, site.name)
+        one = _one(site.reader, site.statements, row, now, site.name)
+        if buttons is not None:
+            one = f"<p class=actions>{buttons(site, row, f'/schedules?name={name}')}</p>" + one
+        return f"Schedule {name}", one
     heads = ["schedule", "actor", "queue", "when", "missed ticks", "last tick", "its message", "next tick",
-             "overdue", "status"]  # fmt: skip
+             "overdue", "status"] + ([""] if buttons is not None else [])  # fmt: skip
     if fleet.several:
         heads.insert(0, "database")
     body = []
@@ -104,6 +123,7 @@ def schedules_page(fleet: Fleet, query: dict[str, str]) -> tuple[str, str]:
             utc_time(r["next_tick"], short=True),
             f"<span class='badge stale'>{_missed_text(late)} missed</span>" if late else "",
             _status(r),
+            *([buttons(site, r, "/schedules")] if buttons is not None else []),
         ])  # fmt: skip
         if fleet.several:
             body[-1].insert(0, f"<span class=database>{esc(site.name)}</span>")
@@ -115,7 +135,7 @@ def schedules_page(fleet: Fleet, query: dict[str, str]) -> tuple[str, str]:
         "schedule's grace and not enqueued. <b>stale</b>: no running scheduler declares it (removed from the "
         "code): nobody enqueues it; <code>dramatiq-pg-fenced schedules --forget NAME</code> removes it.</p>"
     )
-    return "Schedules", away_note(away) + html_table(heads, body, cls="schedules") + note
+    return "Schedules", away_note(away) + html_table(heads, body, cls="schedules", cards=True) + note
 
 
 def _one(reader: Database, statements: Statements, row: dict[str, Any], now: datetime, database: str = "") -> str:

@@ -12,9 +12,13 @@ Set up with ``django_dramatiq`` (it builds the broker from ``DRAMATIQ_BROKER``):
   the process first connects (so the test runner's test database is the one it uses),
   and creates or upgrades its tables when ``manage.py migrate`` (or the test runner)
   migrates that database.
+- Sends inside ``transaction.atomic()`` on the broker's database (``ATOMIC_REQUESTS``, a
+  ``TestCase``'s test included) are rows of that transaction, rolled back with it (to its
+  savepoint); ``join_atomic=False`` turns it off; :func:`at_once` writes a block's sends at
+  once; see :mod:`.django_atomic`.
 - :func:`outbox`: ``with outbox(): ...`` is ``transaction.atomic()`` whose sends are
   written on Django's own connection, in its transaction: they exist if and only if it
-  commits.
+  commits (with any broker, ``join_atomic`` or not).
 - :func:`fenced_atomic`: inside an actor, ``transaction.atomic()`` whose writes (the ORM's
   included) commit together with the delivery's ack, under its fence, or not at all (the
   fenced transaction of :mod:`dramatiq_pg_fenced.exactly_once` on Django's connection).
@@ -48,13 +52,15 @@ from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
 from ..broker import PostgresBroker
+from ..core.interrupt import shielded
 from ..dashboard import AllowedHosts, Dashboard, dashboard_app
-from ..database import Database
+from ..db.database import Database
 from ..errors import FencedTransactionError
-from ..interrupt import shielded
+from ..routing.router import RoutedBroker
+from .django_atomic import AtomicSends, at_once
 
-__all__ = ["DjangoAllowedHosts", "DjangoPostgresBroker", "TestRunner", "dashboard_urls", "dashboard_view",
-           "fenced_atomic", "outbox"]  # fmt: skip
+__all__ = ["DjangoAllowedHosts", "DjangoPostgresBroker", "TestRunner", "at_once", "dashboard_urls",
+           "dashboard_view", "fenced_atomic", "outbox"]  # fmt: skip
 
 #: Keys of ``DATABASES[...]["OPTIONS"]`` that are Django's, not libpq's: never passed on.
 _DJANGO_OPTIONS = {"assume_role", "isolation_level", "pool", "server_side_binding", "prepare_threshold", "context",
@@ -92,12 +98,20 @@ class DjangoPostgresBroker(PostgresBroker):
         (``manage.py migrate``, the test runner's creation of the test database).  ``False``:
         run ``dramatiq-pg-fenced migrate`` (or ``broker.migrate()``) yourself, e.g. as a
         role with more rights.
+      join_atomic: a send made while a ``transaction.atomic()`` block is open on that database
+        (and no block of the broker decides) is a row of Django's transaction: it commits with
+        the block, and a rollback (to its savepoint) takes it away.  ``False``: written at once,
+        as by any other broker (then use :func:`outbox`).  A send inside an atomic block on
+        another database is written at once, and logged once per database
+        (:mod:`.django_atomic`).  With ``url=``/``pool=`` no database of Django's is the broker's.
     """
 
     def __init__(self, url: str | None = None, *, database: str = DEFAULT_DB_ALIAS, migrate: bool = True,
-                 **options: Any) -> None:  # fmt: skip
+                 join_atomic: bool = True, **options: Any) -> None:  # fmt: skip
         super().__init__(url, **options)
         self.django_database = database
+        self.join_atomic = join_atomic
+        self.atomic_sends = AtomicSends(database if url is None and options.get("pool") is None else None, self.logger)
         if url is None and options.get("pool") is None:
             given = self.database
             self.database = _DjangoDatabase(
@@ -112,6 +126,13 @@ class DjangoPostgresBroker(PostgresBroker):
         if migrate:
             post_migrate.connect(self._migrate_with_django, weak=False, dispatch_uid=f"dramatiq_pg_fenced-{id(self)}")
         self._migrated: str | None = None
+
+    def joined_transaction(self, *, quiet: bool = False) -> psycopg.Connection | None:
+        """Django's connection while ``transaction.atomic()`` is open on the broker's database (see
+        ``join_atomic``); ``None`` otherwise (and with ``join_atomic=False``)."""
+        if not self.join_atomic:
+            return None
+        return self.atomic_sends.connection(quiet=quiet)
 
     def _migrate_with_django(self, sender: Any, using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
         """``post_migrate`` (sent once per app): migrate our tables once per database Django migrates."""
@@ -149,8 +170,20 @@ def _broker(broker: PostgresBroker | None) -> PostgresBroker:
     return found
 
 
+def _sender(broker: PostgresBroker | RoutedBroker | None) -> Any:
+    """*broker*, or Dramatiq's global one, for the blocks that send: a PostgresBroker or a RoutedBroker
+    (whose sends in the block are rows of it whatever their queue's database: outbox rows, relayed
+    after the commit)."""
+    found = broker if broker is not None else dramatiq.get_broker()
+    if not isinstance(found, (PostgresBroker, RoutedBroker)):
+        raise TypeError(f"the broker is a {type(found).__name__}, not a PostgresBroker or a RoutedBroker: "
+                        "set DRAMATIQ_BROKER")  # fmt: skip
+    return found
+
+
 @contextmanager
-def outbox(broker: PostgresBroker | None = None, *, using: str | None = None) -> Iterator[psycopg.Connection]:
+def outbox(broker: PostgresBroker | RoutedBroker | None = None, *,
+           using: str | None = None) -> Iterator[psycopg.Connection]:  # fmt: skip
     """``transaction.atomic(using)`` whose sends are written on Django's connection, in its transaction.
 
     ``with outbox(): order.save(); confirm.send(order.pk)``: the message exists if and only if
@@ -163,7 +196,7 @@ def outbox(broker: PostgresBroker | None = None, *, using: str | None = None) ->
     *broker*: Dramatiq's global broker by default (``django_dramatiq`` sets it).  Yields the
     ``psycopg.Connection``.
     """
-    broker = _broker(broker)
+    broker = _sender(broker)
     with transaction.atomic(using=using, savepoint=False):
         conn = transaction.get_connection(using).connection
         if not isinstance(conn, psycopg.Connection):
@@ -174,7 +207,8 @@ def outbox(broker: PostgresBroker | None = None, *, using: str | None = None) ->
 
 
 @contextmanager
-def fenced_atomic(broker: PostgresBroker | None = None, *, using: str | None = None) -> Iterator[psycopg.Connection]:
+def fenced_atomic(broker: PostgresBroker | RoutedBroker | None = None, *,
+                  using: str | None = None) -> Iterator[psycopg.Connection]:  # fmt: skip
     """Inside an actor: ``transaction.atomic(using)`` whose writes commit together with this delivery's
     ack, under its fence, or not at all (``broker.fenced_transaction()`` on Django's connection)::
 
@@ -197,7 +231,7 @@ def fenced_atomic(broker: PostgresBroker | None = None, *, using: str | None = N
     PostgreSQL through psycopg 3, outside an actor, or a second time in one delivery.  The
     broker's tables must be in that database.  Yields the ``psycopg.Connection``.
     """
-    broker = _broker(broker)
+    broker = _sender(broker)
     fence = broker.fence()
     wrapper = transaction.get_connection(using)
     if wrapper.in_atomic_block:

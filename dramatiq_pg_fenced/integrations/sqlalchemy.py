@@ -36,8 +36,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ..broker import PostgresBroker
+from ..core.interrupt import shielded
 from ..errors import FencedTransactionError, NestedSendError
-from ..interrupt import shielded
+from ..routing.router import RoutedBroker
 
 __all__ = ["fenced_transaction", "outbox"]
 
@@ -52,8 +53,19 @@ def _driver(connection: Connection, what: str) -> psycopg.Connection:
     return driver
 
 
+def _broker(broker: PostgresBroker | RoutedBroker | None) -> Any:
+    """*broker*, or Dramatiq's global one: a PostgresBroker or a RoutedBroker (whose sends in the block
+    are rows of it whatever their queue's database: outbox rows, relayed after the commit)."""
+    found = broker if broker is not None else dramatiq.get_broker()
+    if not isinstance(found, (PostgresBroker, RoutedBroker)):
+        raise TypeError(f"the broker is a {type(found).__name__}, not a PostgresBroker or a RoutedBroker")
+    return found
+
+
 @contextmanager
-def outbox(session: Session | Connection, broker: PostgresBroker | None = None) -> Iterator[psycopg.Connection]:
+def outbox(
+    session: Session | Connection, broker: PostgresBroker | RoutedBroker | None = None
+) -> Iterator[psycopg.Connection]:
     """Inside the block, sends are written on *session*'s connection, in its current transaction
     (begun if none is): the messages exist if and only if that transaction commits, and are then
     claimed, fenced and counted like any other.  A savepoint (``begin_nested()``) rolled back takes
@@ -66,9 +78,7 @@ def outbox(session: Session | Connection, broker: PostgresBroker | None = None) 
 
     *broker*: Dramatiq's global broker by default.  Yields the ``psycopg.Connection``.
     """
-    found = broker if broker is not None else dramatiq.get_broker()
-    if not isinstance(found, PostgresBroker):
-        raise TypeError(f"the broker is a {type(found).__name__}, not a PostgresBroker")
+    found = _broker(broker)
     if isinstance(session, Session):
         connection = session.connection()  # begins the session's transaction if none is
         target: Any = session
@@ -96,7 +106,7 @@ def outbox(session: Session | Connection, broker: PostgresBroker | None = None) 
 
 @contextmanager
 def fenced_transaction(
-    session: Session | Connection, broker: PostgresBroker | None = None
+    session: Session | Connection, broker: PostgresBroker | RoutedBroker | None = None
 ) -> Iterator[psycopg.Connection]:
     """Inside an actor: a transaction of *session* (a ``Session`` or a ``Connection``) whose writes
     commit together with this delivery's ack, under its fence, or not at all (the fenced transaction
@@ -118,9 +128,7 @@ def fenced_transaction(
     transaction already, or a second time in one delivery.  *broker*: Dramatiq's global broker by
     default.  Yields the ``psycopg.Connection``.
     """
-    found = broker if broker is not None else dramatiq.get_broker()
-    if not isinstance(found, PostgresBroker):
-        raise TypeError(f"the broker is a {type(found).__name__}, not a PostgresBroker")
+    found = _broker(broker)
     fence = found.fence()
     if session.in_transaction():
         raise FencedTransactionError(

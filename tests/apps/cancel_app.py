@@ -13,8 +13,9 @@ import dramatiq
 from dramatiq.middleware import CurrentMessage
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, interrupt
-from dramatiq_pg_fenced.interrupt import MessageCancelled
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import interrupt
+from dramatiq_pg_fenced.core.interrupt import MessageCancelled
 
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
 INSERT = sql.SQL("INSERT INTO {}.ledger (message_id, event, at) VALUES (%s, %s, %s)").format(sql.Identifier(SCHEMA))

@@ -12,7 +12,8 @@ import time
 import dramatiq
 from psycopg import sql
 
-from dramatiq_pg_fenced import PostgresBroker, processes
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import processes
 
 processes.HEARTBEAT_SECONDS = 1.0
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]

@@ -11,7 +11,7 @@ import os
 import dramatiq
 from psycopg import sql
 
-from dramatiq_pg_fenced.routing import RoutedBroker
+from dramatiq_pg_fenced.routing.router import RoutedBroker
 
 SCHEMA = os.environ["ROUTED_SCHEMA"]
 broker = RoutedBroker(

@@ -15,7 +15,7 @@ from dramatiq.middleware import CurrentMessage
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.schedules import schedule
+from dramatiq_pg_fenced.features.schedules import schedule
 
 SCHEMA = os.environ["DRAMATIQ_PG_SCHEMA"]
 INSERT = sql.SQL("INSERT INTO {}.ledger (tick, pid) VALUES (%s, %s)").format(sql.Identifier(SCHEMA))

@@ -15,7 +15,8 @@ import dramatiq
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dramatiq_pg_fenced import PostgresBroker, turns
+from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import turns
 
 turns.REFRESH_EVERY = 0.5
 

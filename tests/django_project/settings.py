@@ -25,6 +25,18 @@ DATABASES = {
         "HOST": _db.get("host", ""),
         "PORT": _db.get("port", ""),
         "TEST": {"NAME": os.environ.get("DJANGO_TEST_DATABASE")},
+        # Each request in a transaction: a view's sends are rows of it (shop.views.place_order_plainly).
+        "ATOMIC_REQUESTS": True,
+    },
+    # Another PostgreSQL database: a send in its atomic blocks is not one of the broker's transaction.
+    "other": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": _db.get("dbname", "postgres"),
+        "USER": _db.get("user", ""),
+        "PASSWORD": _db.get("password", ""),
+        "HOST": _db.get("host", ""),
+        "PORT": _db.get("port", ""),
+        "TEST": {"NAME": os.environ.get("DJANGO_TEST_DATABASE") and os.environ["DJANGO_TEST_DATABASE"] + "_other"},
     },
     # Not PostgreSQL: fenced_atomic(using="sqlite") is refused (no test queries it).
     "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
@@ -39,6 +51,10 @@ INSTALLED_APPS = [
     "django_dramatiq",
     "shop",
 ]
+try:  # Django 6+: django.tasks; older: the backport's app (its checks and log signals)
+    import django.tasks  # noqa: F401
+except ImportError:
+    INSTALLED_APPS.append("django_tasks")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -76,6 +92,14 @@ DRAMATIQ_BROKER = {
         "django_dramatiq.middleware.AdminMiddleware",
         "django_dramatiq.middleware.DbConnectionsMiddleware",
     ],
+}
+
+# Django's Tasks framework on the broker (dramatiq_pg_fenced.integrations.django_tasks; shop/jobs.py).
+TASKS = {
+    "default": {
+        "BACKEND": "dramatiq_pg_fenced.integrations.django_tasks.PostgresBackend",
+        "QUEUES": ["default", "shop-tasks"],
+    }
 }
 
 # Closes the broker's connections before the test database is dropped.

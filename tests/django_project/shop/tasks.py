@@ -6,7 +6,7 @@ from django.db import transaction
 from django.db.models import F
 from psycopg import sql
 
-from dramatiq_pg_fenced import delivery
+from dramatiq_pg_fenced.core import delivery
 from dramatiq_pg_fenced.errors import DeliveryLost, FencedTransactionError, NestedSendError
 from dramatiq_pg_fenced.integrations.django import fenced_atomic
 

@@ -1,0 +1,144 @@
+"""Where a consumer's claims start in the claim index: past the entries an old snapshot keeps dead.
+
+Each claim leaves a dead entry at the head of the claim index, and while any
+session of the database holds an old snapshot (a report, ``pg_dump``, a
+forgotten ``BEGIN``) no vacuum may remove them, so a claim from the head
+would step over every one of them.  A consumer (consumer.py) starts its
+claims a little before the point where the queue was last seen drained
+(:class:`Floor`), and goes back to the head now and then and whenever rows
+may have gone back behind that point (:class:`LookBack`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+#: Where a claim from the head of the index starts: before every row.
+HEAD = (-(2**31), "-infinity", -(2**63))
+#: Seconds between two claims from the head, at most, while a row may wait
+#: behind the floor (see :class:`Floor`), whatever the poll interval.
+LOOK_BACK_EVERY = 1.0
+#: While claims from the head find nothing behind the floor, the wait before the next doubles, up to
+#: this many times ``LOOK_BACK_EVERY`` (one that finds a row there sets it back): each steps over the
+#: entries an old snapshot keeps dead at the index's head, more the older it is (docs/performance.md).
+LOOK_BACK_MAX_FACTOR = 8
+#: How far before the database's clock at a drained claim the floor is put:
+#: an enqueue stamps ``available_at`` when its statement starts and becomes
+#: visible when it commits; one that commits later than this lands behind the
+#: floor and waits for the next claim from the head (``LOOK_BACK_EVERY``).
+FLOOR_MARGIN = timedelta(milliseconds=250)
+
+
+class LookBack:
+    """Per process: how often each queue was told that rows went back behind the floor.
+
+    Requeues at shutdown, rescues of expired leases, releases after a lost
+    claim and a queue's resume put rows back at their old place in line; they
+    send ``"!back <queue>"`` before ringing the queue (see
+    :func:`~.doorbell.look_back`), and the next claim of every consumer of the
+    queue in this process starts from the head.  A process that begins to
+    listen (its queues' door, turns.py) may have missed some: every queue
+    looks back then (:meth:`request_all`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._all = 0
+
+    def request(self, queue_name: str) -> None:
+        with self._lock:
+            self._counts[queue_name] = self._counts.get(queue_name, 0) + 1
+
+    def request_all(self) -> None:
+        with self._lock:
+            self._all += 1
+
+    def count(self, queue_name: str) -> int:
+        return self._counts.get(queue_name, 0) + self._all
+
+
+class Floor:
+    """Where one consumer's claims start: ``(priority, available_at, seq)`` in the claim index's order.
+
+    A claim that comes back with rows proves that, at the database's
+    ``now()`` of that claim, nothing was claimable between where it started
+    and its first row (rows locked by other consumers' claims aside), nor
+    anywhere after it if it came back short of its limit.  So the next claim
+    may start at the lowest priority of the queue's actors and, within it, at
+    the first row of a full claim, or ``FLOOR_MARGIN`` before the ``now()`` of
+    a short one; it does not visit the dead entries before that point (the
+    claimed rows' old versions, which no vacuum may remove while some
+    session's snapshot is older).  A row that lands behind the floor anyway
+    (an enqueue that committed late, a message of a priority no actor here
+    has, a row put back at its old place) is found by the next claim from the
+    head: at once after a ``"!back"`` notification or a lost claim; within
+    ``LOOK_BACK_EVERY`` seconds of the last one after a claim from the floor
+    that came back empty (the doorbell rang for a row, and the floor did not
+    find it: :attr:`look_back_due`), not at its next poll, whatever
+    ``poll_interval``; and otherwise (a row left behind while the claims from
+    the floor found others) at the next periodic claim from the head:
+    ``LOOK_BACK_EVERY`` after the last one, up to ``LOOK_BACK_MAX_FACTOR``
+    times that while they find nothing behind the floor (each doubles the wait;
+    one that finds a row there sets it back).
+    """
+
+    def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
+        self.priority = priority
+        self.look_back = look_back if look_back is not None else LookBack()  # alone: nobody asks
+        self.queue_name = queue_name
+        self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
+        self._head_due = 0.0  # monotonic
+        self._head_at = -math.inf  # monotonic: the last claim from the head
+        self._factor = 1  # of LOOK_BACK_EVERY until the next periodic claim from the head
+        self._back_seen = self.look_back.count(queue_name)
+        #: When the consumer must claim (from the head) though nothing rang (monotonic): set by a
+        #: short claim from the floor, since a row may wait behind it; ``None`` after a claim from the head.
+        self.look_back_due: float | None = None
+
+    def start(self) -> tuple[int, Any, int]:
+        """Where the next claim starts; ``HEAD`` when it must look back."""
+        back = self.look_back.count(self.queue_name)
+        if back != self._back_seen:
+            self._back_seen = back
+            self.at = None
+        now = time.monotonic()
+        if self.at is None or now >= self._head_due or (self.look_back_due is not None and now >= self.look_back_due):
+            return HEAD
+        return (self.priority, *self.at)
+
+    def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
+        """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
+        if start is HEAD:
+            if self.at is not None:  # did it find a row behind the floor?  (Unknown without one.)
+                floor = (self.priority, *self.at)
+                behind = any((r[4], r[5], r[6]) < floor for r in rows)
+                self._factor = 1 if behind else min(2 * self._factor, LOOK_BACK_MAX_FACTOR)
+            self._head_at = time.monotonic()
+            self._head_due = self._head_at + LOOK_BACK_EVERY * self._factor
+            self.look_back_due = None
+        else:
+            if not rows:
+                # What rang may lie behind the floor: look back by then.
+                self.look_back_due = min(self._head_due, self._head_at + LOOK_BACK_EVERY)
+            if self.at is None:
+                return  # forgotten meanwhile: only a claim from the head sets it again
+        if not rows:
+            return  # idle or paused: no proof of where the queue stands; the floor stays
+        drained = (rows[0][7] - FLOOR_MARGIN, HEAD[2])
+        if len(rows) < limit:
+            at = drained  # nothing claimable was left at all
+        else:
+            priority, available_at, seq = min((r[4], r[5], r[6]) for r in rows)
+            if priority < self.priority:
+                self.at = None  # a priority no actor here has is in line: claim from the head
+                return
+            at = (available_at, seq) if priority == self.priority else drained
+        self.at = at if start is HEAD or self.at is None else max(self.at, at)
+
+    def forget(self) -> None:
+        self.at = None

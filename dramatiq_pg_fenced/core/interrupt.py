@@ -1,0 +1,229 @@
+"""Cancel that stops a running actor (opt-in: ``interrupt_on_cancel``).
+
+An actor declared with ``interrupt_on_cancel=True`` (or every actor, with
+``PostgresBroker(interrupt_on_cancel=True)``) runs inside :func:`interruptible`.
+While its body runs, the :class:`Interrupter` knows which thread runs which
+delivery (by its fence token).  When that delivery's row is cancelled, the
+thread gets :class:`MessageCancelled` at its next Python instruction, as
+Dramatiq's ``TimeLimit`` does it (``raise_thread_exception``): a thread in a C
+call (``time.sleep``, a socket read, a lock) gets it when the call returns;
+:func:`sleep` is a sleep that a cancel ends at once.
+
+How the process hears of it, first to last:
+
+- the ``!interrupt <message id> <delivery>`` notification the ``cancel``
+  statement sends with ``!cancel <message id>`` (the doorbell's listener thread
+  calls :meth:`Interrupter.cancelled`);
+- without LISTEN (``listen=False``, PgBouncer), the :class:`~.leases.CancelWatch` reads
+  the rows of the interruptible deliveries running here every
+  ``poll_interval``, only while one runs;
+- a notification lost while the LISTEN connection was down: the lease keeper,
+  whose extension finds the row cancelled under its token (every
+  ``lease_seconds / 3``).
+
+Races, and why none hurts:
+
+- *Cancelled before the body starts*: the start gate skips a delivery whose
+  cancellation was heard; a token cancelled after the gate but before
+  :meth:`Interrupter.enter` is remembered, and ``enter`` raises at once.
+- *Cancelled as the body returns* (or as it is registered): an interrupt is
+  sent only to a delivery registered on its thread, at most once, under the
+  registry's lock; :meth:`Interrupter.leave` unregisters it and clears an
+  interrupt still pending.  The exception may land anywhere between the
+  body's end and that unregistering, in the wrapper or at the entry of
+  ``leave`` itself: :func:`interruptible` registers and unregisters inside
+  one ``try``/``finally`` and calls ``leave`` again until it has run through
+  (at most once more per interrupt sent), so no entry outlives its delivery,
+  and the exception lands inside the actor call or not at all, never in the
+  worker's own code or in the next message the thread runs.  A body that
+  returned, or swallowed the exception, while it was interrupted still ends
+  with :class:`MessageCancelled`.
+- *Cancelled inside a* :func:`shielded` *block* (the broker's own database
+  calls are): the thread raises the exception itself as the block ends, so a
+  connection pool is never left half-way.
+- *Two deliveries of one message in this process* (an old one that lost its
+  lease still runs): each is known by its own token; only the cancelled one is
+  stopped.
+
+The exception is added to the actor's ``throws``, so Dramatiq's Retries does
+not retry it and the worker logs it as expected, not as a failure.  The
+delivery is nacked; its row is ``cancelled``, so the nack and everything the
+delivery causes (result, pipeline successor, callbacks, group countdown) are
+fenced out and counted as ``cancelled_writes``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from dramatiq.middleware.threading import Interrupt, current_platform, raise_thread_exception
+
+from ..db.shield import MessageCancelled, Running, _here, describe
+from ..db.shield import shielded as shielded
+from ..db.shield import sleep as sleep
+from . import delivery as running_delivery
+
+
+class Interrupter:
+    """Which interruptible delivery runs on which thread; interrupts the cancelled ones.
+
+    Thread-safe: worker threads enter and leave, the doorbell's listener, the
+    lease keeper and the cancel watch report cancellations.
+    """
+
+    #: Cancelled tokens remembered for a delivery that has not entered yet.
+    REMEMBERED = 1000
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._lock = threading.Lock()
+        self._running: dict[str, Running] = {}  # by delivery token
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # tokens heard cancelled, not running here
+        self.interrupts = 0  #: interrupts sent since the process started
+
+    def enter(self, message_id: str, attempt: int, delivery: str) -> bool:
+        """The body of *delivery*'s actor starts on this thread; ``False``: it already runs here (a nested call).
+
+        Raises :class:`MessageCancelled` at once if the delivery was heard cancelled already.
+        From the moment it registers, an interrupt may land: call it where
+        :meth:`leave` is sure to follow (see :func:`interruptible`).
+        """
+        with self._lock:
+            if delivery in self._running:
+                return False
+            if delivery in self._cancelled:
+                del self._cancelled[delivery]
+                raise MessageCancelled(describe(message_id, attempt))
+            thread_id = threading.get_ident()
+            _here.entry = self._running[delivery] = Running(message_id, attempt, delivery, thread_id, self._lock)
+        return True
+
+    def runs_here(self, delivery: str) -> bool:
+        """Is *delivery*'s body registered on this thread (an actor called from the body of one that runs)?"""
+        with self._lock:
+            entry = self._running.get(delivery)
+            return entry is not None and entry.thread_id == threading.get_ident()
+
+    def leave(self, delivery: str) -> bool:
+        """The body of *delivery*'s actor ended on this thread: no interrupt reaches it from now on.
+
+        Returns whether it was interrupted.  An interrupt sent but not yet
+        raised is cleared; one that lands in here, before that, is caught.
+        """
+        interrupted = False
+        for _ in range(2):  # one interrupt at most per delivery: a second pass cannot be disturbed
+            try:
+                with self._lock:
+                    entry = self._running.get(delivery)
+                    if entry is not None and entry.thread_id == threading.get_ident():
+                        del self._running[delivery]
+                        _here.entry = None
+                        if entry.interrupted:
+                            interrupted = True
+                            clear_pending(entry.thread_id)
+                return interrupted
+            except MessageCancelled:
+                interrupted = True  # it landed here: nothing is pending any more
+        return interrupted
+
+    def cancelled(self, message_id: str, delivery: str) -> bool:
+        """*delivery* of *message_id* was cancelled: interrupt its actor if it runs here (returns whether it did)."""
+        with self._lock:
+            entry = self._running.get(delivery)
+            if entry is None or entry.message_id != message_id:
+                self._cancelled[delivery] = None
+                while len(self._cancelled) > self.REMEMBERED:
+                    self._cancelled.popitem(last=False)
+                return False
+            if entry.interrupted or entry.deferred:
+                return False
+            self.interrupts += 1
+            if entry.shields:
+                entry.deferred = True  # raised by the thread itself as its shield ends
+            else:
+                entry.interrupted = True
+                raise_thread_exception(entry.thread_id, MessageCancelled)
+            entry.wake.set()  # a sleep() returns: the exception lands, or the shield ends sooner
+        self.logger.info(
+            "Message %s was cancelled while its actor ran (attempt %d): %s.",
+            message_id,
+            entry.attempt,
+            "it stops as its database call returns" if entry.deferred else "interrupted",
+        )
+        return True
+
+    def command(self, arg: str) -> None:
+        """The ``!interrupt <message id> <delivery>`` notification (see :meth:`.doorbell.Doorbell.on`)."""
+        message_id, _, delivery = arg.partition(" ")
+        if delivery:
+            self.cancelled(message_id, delivery)
+
+    def running(self) -> dict[str, str]:
+        """The interruptible deliveries whose actors run here, not interrupted yet: token -> message id."""
+        with self._lock:
+            return {token: r.message_id for token, r in self._running.items() if not (r.interrupted or r.deferred)}
+
+
+def clear_pending(thread_id: int) -> None:
+    """Withdraw an exception sent to *thread_id* and not raised yet (CPython; nothing to do elsewhere)."""
+    if current_platform == "CPython":
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
+
+
+def interruptible(fn: Callable[..., Any], interrupter: Callable[[], Interrupter]) -> Callable[..., Any]:
+    """*fn* as an actor body that a cancel of its delivery interrupts (see the module docstring).
+
+    Called outside a delivery of ours (directly, in a test, on another broker),
+    it is *fn*.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        message = running_delivery.running()
+        if message is None:
+            return fn(*args, **kwargs)
+        registry = interrupter()
+        if registry.runs_here(message.delivery):
+            return fn(*args, **kwargs)  # an actor called from the body of one that runs
+        interrupted = False
+        try:
+            registry.enter(message.message_id, message.attempt, message.delivery)
+            return fn(*args, **kwargs)
+        finally:
+            # From enter() on an interrupt may land anywhere up to leave()'s unregistering: here, or
+            # at the entry of leave() before its lock.  Each sender sends at most one per delivery, so
+            # this ends with the entry gone and nothing pending for what the thread runs next.
+            landed: Interrupt | None = None
+            while True:
+                try:
+                    interrupted = registry.leave(message.delivery) or interrupted
+                    break
+                except Interrupt as exc:
+                    if isinstance(exc, MessageCancelled):
+                        interrupted = True
+                    else:
+                        landed = landed or exc  # another interrupt (Dramatiq's time limit): raised after
+            if interrupted:
+                raise MessageCancelled(describe(message.message_id, message.attempt))
+            if landed is not None:
+                raise landed
+
+    run.interrupts_on_cancel = True  # type: ignore[attr-defined]
+    return run
+
+
+def with_throws(throws: Any) -> tuple[type[BaseException], ...]:
+    """An actor's ``throws`` option with :class:`MessageCancelled` added (Dramatiq's Retries never retries those)."""
+    if throws is None:
+        existing: tuple[type[BaseException], ...] = ()
+    elif isinstance(throws, tuple):
+        existing = throws
+    else:
+        existing = (throws,)
+    return existing if MessageCancelled in existing else (*existing, MessageCancelled)

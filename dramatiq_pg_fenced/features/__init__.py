@@ -1,0 +1,1 @@
+"""The optional features: results, rate limits, schedules, the fenced transaction."""

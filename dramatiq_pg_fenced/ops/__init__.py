@@ -1,0 +1,1 @@
+"""The operators' tools: inspect, cancel, re-drive, search, bulk actions, charts, metrics, several databases at once."""
