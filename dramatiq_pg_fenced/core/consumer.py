@@ -156,6 +156,7 @@ class PostgresConsumer(Consumer):
         # unknown), so the wait ends then, heard of or not (rows delayed before
         # this process listened, several delays in one enqueue_many, listen=False).
         self.next_due: float | None = None
+        self.due_found = 0  #: how many reads of the next due time found a delayed row (tests, stats)
         self._timed_seen = 0
         self._due_read_at = 0.0  # monotonic; without LISTEN the next due time is read again now and then
         # Until when no claim is needed (monotonic): the last claim came back short, so the queue had
@@ -271,6 +272,7 @@ class PostgresConsumer(Consumer):
                         row = conn.execute(self.statements.next_due, {"queue": self.queue_name}).fetchone()
                         seconds = row[0] if row else None
                         self.next_due = math.inf if seconds is None else time.monotonic() + max(seconds, 0.0)
+                        self.due_found += seconds is not None
                 break
             except SchemaError:
                 return  # not migrated (yet): the database layer says so once; claim again at the next poll

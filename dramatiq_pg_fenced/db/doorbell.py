@@ -83,6 +83,7 @@ class Doorbell:
         self.timed = timed
         self._timers: list[tuple[float, str]] = []  # (monotonic due time, key), a heap; listener thread only
         self._timed: dict[str, int] = {}  # per key: how many "due later" notifications arrived
+        self._timers_rung: dict[str, int] = {}  # per key: how many of their timers rang it
         self._waiters: dict[str, set[threading.Event]] = {}
         self._handlers: dict[str, Callable[[str], None]] = {}
         self._attendants: list[Attendant] = []
@@ -138,6 +139,10 @@ class Doorbell:
     def timed_count(self, key: str) -> int:
         """How many "due later" notifications *key* got: a change means new delayed rows."""
         return self._timed.get(key, 0)
+
+    def timers_rung(self, key: str) -> int:
+        """How many times a timer (a "due later" notification's) rang *key* when it was due."""
+        return self._timers_rung.get(key, 0)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -287,6 +292,7 @@ class Doorbell:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             rung.append(heapq.heappop(self._timers)[1])
+            self._timers_rung[rung[-1]] = self._timers_rung.get(rung[-1], 0) + 1
             self.ring(rung[-1])
         return all([self._stay(key) for key in rung])  # each asked, after the batch (it is read whole)
 
