@@ -88,7 +88,7 @@ if os.environ.get("BENCH_FAIR_SCHEMA"):  # imported by a worker process
 class Part:
     """A schema, its actors in this process, and the stock CLI's workers on it."""
 
-    def __init__(self, url: str, tmp: Path, name: str, work_ms: float = 0) -> None:
+    def __init__(self, url: str, tmp: Path, name: str, work_ms: float = 0, processes: int = 2) -> None:
         from dramatiq_pg_fenced import PostgresBroker
 
         self.url, self.schema = url, f"bench_fair_{name}_{uuid.uuid4().hex[:6]}"
@@ -103,11 +103,11 @@ class Part:
         )  # fmt: skip
         self.log = open(tmp / f"{self.schema}.log", "w")  # noqa: SIM115 (closed in close)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq", "benchmarks.fair_workers", "-p", "2", "-t", "8", "--path", str(REPO)],
+            [sys.executable, "-m", "dramatiq", "benchmarks.fair_workers", "-p", str(processes), "-t", "8", "--path", str(REPO)],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 60
-        while Path(self.log.name).read_text(errors="replace").count("ready for action") < 2:
+        while Path(self.log.name).read_text(errors="replace").count("ready for action") < processes:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"workers did not start: {Path(self.log.name).read_text()[-2000:]}")
             time.sleep(0.1)

@@ -1,6 +1,6 @@
 """Where a drain's server time goes: every statement's calls, plans and time, per message.
 
-    python -m benchmarks.statements [--messages 10000] [--threads 8]
+    python -m benchmarks.statements [--messages 10000] [--threads 8] [--processes 1] [--fair KEYS]
 
 Starts a PostgreSQL server of its own (``initdb``, fsync on) with
 ``pg_stat_statements`` loaded and ``track_planning`` on, fills a queue with
@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument(
+        "--fair", type=int, default=0, metavar="KEYS",
+        help="drain a fair queue instead (benchmarks.fair_workers' actor), its messages spread over KEYS keys",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO / "tests"))
     from test_faults import OwnedServer
@@ -69,17 +74,29 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url.rsplit("/", 1)[0] + "/bench"
         broker = PostgresBroker(url, schema="bench")
         broker.migrate()
-        message = Message(queue_name=apps.QUEUE, actor_name="noop", args=(), kwargs={}, options={})
-        broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(args.messages)])
+        env = {**os.environ, "BENCH_BROKER": "postgres", "BENCH_PG_URL": url, "BENCH_PG_SCHEMA": "bench"}
+        app = "benchmarks.apps"
+        if args.fair:
+            import dramatiq
+
+            from benchmarks import fair_workers
+
+            dramatiq.set_broker(broker)
+            fair, _ = fair_workers.declare(broker)
+            broker.enqueue_many([fair.message(f"k{n % args.fair}", 0.0) for n in range(args.messages)])
+            env.update(BENCH_FAIR_SCHEMA="bench", BENCH_FAIR_URL=url, BENCH_FAIR_FILE=os.devnull)
+            app = "benchmarks.fair_workers"
+        else:
+            message = Message(queue_name=apps.QUEUE, actor_name="noop", args=(), kwargs={}, options={})
+            broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(args.messages)])
         broker.close()
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             conn.execute("VACUUM ANALYZE bench.message")
             conn.execute("SELECT pg_stat_statements_reset()")
-            env = {**os.environ, "BENCH_BROKER": "postgres", "BENCH_PG_URL": url, "BENCH_PG_SCHEMA": "bench"}
             before, started = cpu_by_process(b"postgres"), time.monotonic()
             worker = subprocess.Popen(
-                [sys.executable, "-m", "dramatiq", "benchmarks.apps", "-p", "1", "-t", str(args.threads)],
+                [sys.executable, "-m", "dramatiq", app, "-p", str(args.processes), "-t", str(args.threads)],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -91,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.1)
                 seconds = time.monotonic() - started
                 after = cpu_by_process(b"postgres")
-                workers = cpu_by_process(b"benchmarks.apps")
+                workers = cpu_by_process(app.encode())
             finally:
                 worker.terminate()
                 worker.wait(30)
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         n = args.messages
         server_cpu = {k: v - before.get(k, 0.0) for k, v in after.items()}
         print(
-            f"drain of {n:,} (1 process x {args.threads} threads, start-up included): {n / seconds:,.0f} msg/s; "
+            f"drain of {n:,} ({args.processes} process(es) x {args.threads} threads, start-up included): {n / seconds:,.0f} msg/s; "
             f"worker CPU {sum(workers.values()) / n * 1e6:.0f} µs/msg, server {sum(server_cpu.values()) / n * 1e6:.0f} µs/msg"
         )
         for name, cpu in sorted(server_cpu.items(), key=lambda kv: -kv[1]):
