@@ -11,14 +11,17 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import dramatiq
 import pytest
-from helpers import query, wait_for
+from helpers import expire_and_rescue, query, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import floor as floors
 from dramatiq_pg_fenced.core.consumer import PostgresConsumer
 from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.core.floor import HEAD
 from dramatiq_pg_fenced.errors import FairnessOptionError
 
 Q = "fair"
@@ -274,3 +277,41 @@ def test_the_fence_holds_for_keyed_messages(broker: PostgresBroker, tenant_job: 
         consumer.nack(proxy)
         assert broker.flush_outcomes(10)
     assert sorted(r[0] for r in query(broker, "SELECT state FROM {schema}.message")) == ["dead", "dead"]
+
+
+def test_claims_of_a_key_start_at_its_floor_and_a_row_put_back_behind_it_is_claimed_at_once(
+    broker: PostgresBroker, tenant_job: dramatiq.Actor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a claim from the head took rows of a key, the key's next claims start at its first row
+    (floor.KeyFloors: the entries its claimed rows left dead are not walked again), and a row of the
+    key put back behind that floor (a rescue, which says "!back") is claimed by the next claim."""
+    monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 3600.0)  # from the head only when told to
+    send(tenant_job, "A", 12)
+    c = broker.consume(Q, prefetch=4, timeout=200)
+    try:
+        wait_for(lambda: broker.parts.turns.hearing() is not None, 10, "the process to listen")
+        c.floor.forget()
+        first = claim(c, 4)  # from the head: the floor of A is its first row
+        assert set(keys_of(broker, first)) == {"A"} and "A" in c.key_floors.at
+        at_first = c.key_floors.at["A"]
+        starts: list[Any] = []
+        real = floors.Floor.start
+        monkeypatch.setattr(floors.Floor, "start", lambda self: starts.append(real(self)) or starts[-1])
+        second = claim(c, 4)
+        assert len(second) == 4 and not set(second) & set(first)
+        assert starts and all(s is not HEAD for s in starts), starts  # from A's floor, not its head
+        assert c.key_floors.at["A"] > at_first  # moved to the second claim's first row
+        # A row of A back behind that floor without a word (nothing says "!back"): the slots see it (the
+        # lowest tag), but A's rows are taken from A's floor, past it.
+        query(broker, "UPDATE {schema}.message SET state = 'queued' WHERE message_id = %s", [first[0]])
+        third = claim(c, 4)
+        assert starts[-1] is not HEAD and len(third) == 4 and first[0] not in third
+        # The others of the first claim go back at their old place by a rescue, which says "!back".
+        told = c.floor.look_back.count(Q)
+        assert expire_and_rescue(broker, "message_id = ANY(%s::uuid[])", [first[1:]]) == 3
+        wait_for(lambda: c.floor.look_back.count(Q) > told, 10, "the rescue's '!back' to be heard")
+        starts.clear()
+        again = claim(c, 4)
+        assert starts == [HEAD] and sorted(again) == sorted(first)  # from the head: every row put back
+    finally:
+        c.close()

@@ -1108,7 +1108,8 @@ class Fair:
         untagged = {mid: (key, tag) for mid, (key, tag, _) in rows.items() if key is None or tag is None}
         assert not untagged, "every row of a fair queue carries a key and a tag"
         due = Counter(key for key, _, d in rows.values() if d)
-        params = {"queue": QUEUE, "limit": FAIR_CLAIM, "lease": 600, "consumer": "probe"}
+        params = {"queue": QUEUE, "limit": FAIR_CLAIM, "lease": 600, "consumer": "probe", "from_priority": 0}
+        params.update(floor_keys=[], floor_at=[], floor_seq=[])  # from the head of every key
         try:
             claimed = self.probe.execute(with_limit(broker.statements.claim_fair, FAIR_CLAIM), params).fetchall()
         finally:

@@ -35,7 +35,7 @@ from ..errors import SchemaError, lost_connection
 from . import delivery, floor, turns
 from .delivery import Outcome, PostgresMessageProxy, ResultWrite
 from .fencing import State, Write
-from .floor import HEAD, Floor, LookBack
+from .floor import HEAD, Floor, KeyFloors, LookBack
 from .leases import Leases
 from .outcomes import OutcomeWriter
 from .turns import Answered, Turns
@@ -169,6 +169,7 @@ class PostgresConsumer(Consumer):
         # ours was further away than turns.DUTY, and who is on duty may change meanwhile.
         self._only_look = False
         self.floor = Floor(priority, look_back, queue_name)
+        self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout
@@ -339,7 +340,7 @@ class PostgresConsumer(Consumer):
         return unknown
 
     def _claim_rows(self, conn: psycopg.Connection, limit: int) -> list[tuple]:
-        start = HEAD if self.fair else self.floor.start()
+        start = self.floor.start()
         params = {
             "queue": self.queue_name,
             "limit": limit,
@@ -355,16 +356,23 @@ class PostgresConsumer(Consumer):
             if self.answered is not None and self._others_listen()
             else None,
         }
+        if self.fair:
+            params.update(self.key_floors.params(start))
         claim = self._statement(fair=self.fair, telling=params["took"] is not None)
         # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
         rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
+        self.floor.claimed(start, rows, limit)  # a fair queue's: when to claim from the head
         if not self.fair:
-            self.floor.claimed(start, rows, limit)
-        elif len(rows) < limit and time.monotonic() >= self._top_up_due:
+            return rows
+        self.key_floors.claimed(start, rows)
+        if len(rows) < limit and start is not HEAD:
+            self.floor.short()  # a key's floor may have left its slot empty: look back soon
+        if len(rows) < limit and time.monotonic() >= self._top_up_due:
             # Short: every due keyed row is taken (or locked by another claim); rows without a tag wait
-            # for the usual claim, which takes them in the usual order (fairness.py).
+            # for the usual claim, which takes them in the usual order (fairness.py), from the head.
             self._top_up_due = time.monotonic() + floor.LOOK_BACK_EVERY
             params["limit"] = room = claim_limit(limit - len(rows))
+            params.update(from_priority=HEAD[0], from_at=HEAD[1], from_seq=HEAD[2])
             claim = self._statement(fair=False, telling=params["took"] is not None)
             rows += conn.execute(with_limit(claim, room), params, prepare=self.database.prepare or None).fetchall()
         return rows

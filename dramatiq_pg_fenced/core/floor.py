@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -140,5 +141,67 @@ class Floor:
             at = (available_at, seq) if priority == self.priority else drained
         self.at = at if start is HEAD or self.at is None else max(self.at, at)
 
+    def short(self) -> None:
+        """A claim from the floor came back short, and a row may wait behind the floor (a fair claim's
+        key whose slot its floor left empty): look back by the time a claim that found nothing would."""
+        due = min(self._head_due, self._head_at + LOOK_BACK_EVERY)
+        self.look_back_due = due if self.look_back_due is None else min(self.look_back_due, due)
+
     def forget(self) -> None:
         self.at = None
+
+
+#: How many keys a fair consumer keeps a floor for (the most recently claimed ones); a key without
+#: one is claimed from its head.
+KEY_FLOORS_MAX = 1000
+
+
+class KeyFloors:
+    """Where a fair queue's claim starts in each key's rows: ``(available_at, seq)`` at the queue's
+    :attr:`Floor.priority`, per key.
+
+    The fair claim fills each key's slots with the key's own rows in the claim index's order from
+    this point (``message_fair_key_idx``), so the rule of :class:`Floor` holds per key: a claim that
+    took rows of a key proves that nothing of that key was claimable between where its scan started
+    and its first row, and the next claim of the key may start there, past the entries the key's
+    claimed rows left dead.  Without it every fair claim walked them from the key's head, and two
+    worker processes claiming one flooding key stepped over each other's in-flight rows: 30% of the
+    plain queue's drain (docs/performance.md, "Fair shares").  When the :class:`Floor` it goes with
+    says to claim from the head (periodically, after a ``"!back"``, a lost claim, a short claim that
+    may have left a row behind) every key starts at its head, and the floors start anew from what
+    that claim took.  Kept for the :data:`KEY_FLOORS_MAX` keys claimed last.
+    """
+
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+        self.at: OrderedDict[str, tuple[datetime, int]] = OrderedDict()
+
+    def params(self, start: tuple[int, Any, int]) -> dict[str, list[Any]]:
+        """The fair claim's floor parameters for a claim from *start* (none from the head)."""
+        floors = {} if start is HEAD else self.at
+        return {
+            "floor_keys": list(floors),
+            "floor_at": [at for at, _ in floors.values()],
+            "floor_seq": [seq for _, seq in floors.values()],
+        }
+
+    def claimed(self, start: tuple[int, Any, int], rows: list[tuple]) -> None:
+        """After a fair claim from *start* that returned *rows* (priority, available_at, seq at 4-6,
+        the key at 8)."""
+        if start is HEAD:
+            self.at.clear()
+        firsts: dict[str, tuple[int, datetime, int]] = {}
+        for row in rows:
+            key, place = row[8], (row[4], row[5], row[6])
+            if key is not None and (key not in firsts or place < firsts[key]):
+                firsts[key] = place
+        for key, (priority, available_at, seq) in firsts.items():
+            if priority < self.priority:
+                self.at.pop(key, None)  # a priority no actor here has is in this key's line: from its head
+            elif priority == self.priority:
+                old = self.at.get(key)
+                self.at[key] = (available_at, seq) if old is None else max(old, (available_at, seq))
+                self.at.move_to_end(key)
+            # (its first row of a lower urgency: nothing of ours was due in its line; the floor stays)
+        while len(self.at) > KEY_FLOORS_MAX:
+            self.at.popitem(last=False)

@@ -32,7 +32,8 @@ def _claim(*, relaxed: bool, telling: bool = False, fair: bool = False) -> str:
                lease_expires_at = now() + %(lease)s * interval '1 second',
                consumer_id = %(consumer)s, claimed_at = now(){(" FROM " + _RELAXED[2:]) if relaxed else ""}
          WHERE m.message_id = ANY(ARRAY({_FAIR_PICK if fair else _PICK}))
-        RETURNING m.message_id::text, m.attempt, m.delivery::text, m.payload, m.priority, m.available_at, m.seq, now()
+        RETURNING m.message_id::text, m.attempt, m.delivery::text, m.payload, m.priority, m.available_at, m.seq, now(){
+            ", m.fairness_key" if fair else ""}
     """
     if not telling:
         return update
@@ -63,8 +64,10 @@ _PICK = """
 # keys); each key's slots are then filled with its own due rows in the usual order (priority, then
 # available_at), locked with SKIP LOCKED, so a high-priority row of a key takes the slot of its
 # key's earlier-tagged one.  Two consumers claiming at once see the same slots; the second one
-# skips the rows the first locked and fills its slots with the key's next rows.  No floor: the fair
-# claim starts from the head of its index (the consumer's floor parameters go unused).
+# skips the rows the first locked and fills its slots with the key's next rows.  Each key's scan
+# starts at its floor (floor.KeyFloors: %(floor_keys)s, %(floor_at)s, %(floor_seq)s, at the queue's
+# %(from_priority)s), a key without one at its head.  The slots' scan starts at the head of the
+# tag index: no floor there yet.
 _FAIR_PICK = """
             SELECT r.message_id
               FROM (SELECT s.fairness_key, count(*) AS n
@@ -74,10 +77,16 @@ _FAIR_PICK = """
                                AND NOT EXISTS (SELECT FROM {schema}.paused_queue AS p WHERE p.queue_name = %(queue)s)
                              ORDER BY fair_tag, seq
                              LIMIT %(limit)s) AS s
-                     GROUP BY s.fairness_key) AS slot,
+                     GROUP BY s.fairness_key) AS slot
+                   LEFT JOIN unnest(%(floor_keys)s::text[], %(floor_at)s::timestamptz[], %(floor_seq)s::bigint[])
+                        AS f(key, at, seq) ON f.key = slot.fairness_key,
                    LATERAL (SELECT x.message_id FROM {schema}.message AS x
                              WHERE x.queue_name = %(queue)s AND x.fairness_key = slot.fairness_key
                                AND x.state = 'queued' AND x.available_at <= now()
+                               AND (x.priority, x.available_at, x.seq)
+                                   >= (CASE WHEN f.key IS NULL THEN (-2147483648)::int ELSE %(from_priority)s::int END,
+                                       coalesce(f.at, '-infinity'::timestamptz),
+                                       coalesce(f.seq, (-9223372036854775808)::bigint))
                              ORDER BY x.priority, x.available_at, x.seq
                              LIMIT slot.n
                              FOR UPDATE SKIP LOCKED) AS r"""
