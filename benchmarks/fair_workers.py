@@ -249,30 +249,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=10.0, help="seconds per window of the weights part")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--work-ms", type=float, default=20.0, help="the actor's work in the weights part")
+    parser.add_argument("--only", choices=("flood", "weights", "keys"), default=None, help="one part")
     parser.add_argument("--url", default=os.environ.get("BENCH_PG_URL") or "postgresql://postgres@127.0.0.1:5432/test")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        f = flood(args.url, Path(tmp), args.flood)
-        print(f"flood ({args.flood:,} of key A, then B..E at 20/s each):")
-        print(f"  p99 wait of B..E: fair {f['fair_late_p99_ms']:.0f} ms ({f['fair_late_count']:.0f} messages), "
-              f"plain {f['plain_late_p99_ms']:.0f} ms, idle fair queue {f['idle_p99_ms']:.0f} ms: "
-              f"fair/idle {f['fair_late_p99_ms'] / f['idle_p99_ms']:.2f}x (goal <= 2x)")  # fmt: skip
-        print(f"  drain: fair {f['fair_drain_per_s']:,.0f}/s, plain {f['plain_drain_per_s']:,.0f}/s: "
-              f"{f['fair_drain_per_s'] / f['plain_drain_per_s']:.0%} (goal >= 95%)")  # fmt: skip
-        w = weights(args.url, Path(tmp), args.window, args.windows, args.work_ms)
-        print(
-            f"weights 3:1 ({args.windows} windows of {args.window:.0f} s, actor {args.work_ms:.0f} ms): shares "
-            + ", ".join(f"{s:.2f}" for s in w["shares"])
-            + f" (goal 3 within 10%: {all(2.7 <= s <= 3.3 for s in w['shares']) and bool(w['shares'])})"
-        )
-        k = many_keys(args.url, Path(tmp), args.keys)
-        print(f"many keys ({args.keys:,} keys x 3): drain fair {k['fair_drain_per_s']:,.0f}/s, plain "
-              f"{k['plain_drain_per_s']:,.0f}/s ({k['plain_drain_per_s'] / k['fair_drain_per_s']:.2f}x the time); "
-              f"server CPU per message fair {k['fair_server_cpu_us_per_msg']:.0f} µs, plain "
-              f"{k['plain_server_cpu_us_per_msg']:.0f} µs "
-              f"({k['fair_server_cpu_us_per_msg'] / k['plain_server_cpu_us_per_msg']:.2f}x; goal <= 1.3x)")  # fmt: skip
-        print(f"  (server CPU per message sent: fair {k['fair_send_server_cpu_us_per_msg']:.0f} µs, plain "
-              f"{k['plain_send_server_cpu_us_per_msg']:.0f} µs)")  # fmt: skip
+        if args.only in (None, "flood"):
+            f = flood(args.url, Path(tmp), args.flood)
+            print(f"flood ({args.flood:,} of key A, then B..E at 20/s each):")
+            print(f"  p99 wait of B..E: fair {f['fair_late_p99_ms']:.0f} ms ({f['fair_late_count']:.0f} messages), "
+                  f"plain {f['plain_late_p99_ms']:.0f} ms, idle fair queue {f['idle_p99_ms']:.0f} ms: "
+                  f"fair/idle {f['fair_late_p99_ms'] / f['idle_p99_ms']:.2f}x (goal <= 2x)")  # fmt: skip
+            print(f"  drain: fair {f['fair_drain_per_s']:,.0f}/s, plain {f['plain_drain_per_s']:,.0f}/s: "
+                  f"{f['fair_drain_per_s'] / f['plain_drain_per_s']:.0%} (goal >= 95%)")  # fmt: skip
+        if args.only in (None, "weights"):
+            w = weights(args.url, Path(tmp), args.window, args.windows, args.work_ms)
+            met = all(2.7 <= s <= 3.3 for s in w["shares"]) and bool(w["shares"])
+            print(f"weights 3:1 ({args.windows} windows of {args.window:.0f} s, actor {args.work_ms:.0f} ms): shares "
+                  + ", ".join(f"{s:.2f}" for s in w["shares"]) + f" (goal 3 within 10%: {met})")  # fmt: skip
+        if args.only in (None, "keys"):
+            k = many_keys(args.url, Path(tmp), args.keys)
+            fair_cpu, plain_cpu = k["fair_server_cpu_us_per_msg"], k["plain_server_cpu_us_per_msg"]
+            print(f"many keys ({args.keys:,} keys x 3): drain fair {k['fair_drain_per_s']:,.0f}/s, plain "
+                  f"{k['plain_drain_per_s']:,.0f}/s ({k['plain_drain_per_s'] / k['fair_drain_per_s']:.2f}x the time); "
+                  f"server CPU per message fair {fair_cpu:.0f} µs, plain {plain_cpu:.0f} µs "
+                  f"({fair_cpu / plain_cpu:.2f}x; goal <= 1.3x)")  # fmt: skip
+            print(f"  (server CPU per message sent: fair {k['fair_send_server_cpu_us_per_msg']:.0f} µs, plain "
+                  f"{k['plain_send_server_cpu_us_per_msg']:.0f} µs)")  # fmt: skip
     return 0
 
 

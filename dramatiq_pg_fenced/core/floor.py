@@ -151,9 +151,10 @@ class Floor:
         self.at = None
 
 
-#: How many keys a fair consumer keeps a floor for (the most recently claimed ones); a key without
+#: How many keys a fair consumer keeps a floor for (the most recently claimed ones: the arrays go with every
+#: claim, and a key of a few messages gains nothing from one); a key without
 #: one is claimed from its head.
-KEY_FLOORS_MAX = 1000
+KEY_FLOORS_MAX = 32
 
 
 class KeyFloors:
