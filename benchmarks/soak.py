@@ -17,7 +17,14 @@ Per window of ``--window`` seconds (by send time) it prints the latency from
 sampled at the window's end, the message table's size (heap and indexes) and
 its dead tuples (``pg_stat_user_tables``).  The two runs are printed side by
 side; the machine is shared, so compare within one run.  Results go to
-``benchmarks/results/soak.json``.
+``benchmarks/results/soak.json`` (``--out`` names another file).
+
+    python -m benchmarks.soak --goal [--long]
+
+The pinned soak of issue 41, alone: 200 sends/s, one-minute windows, five clean
+minutes, the horizon pinned for 30 minutes (``--long``: 2 hours), five minutes
+after the release; it ends with each goal's verdict, every pinned minute against
+the clean minutes before the pin (``goals``).
 """
 
 from __future__ import annotations
@@ -125,6 +132,7 @@ def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace,
         lo, hi = w * args.window, (w + 1) * args.window
         lat = sorted((float(b) - float(a)) * 1000 for a, b in lines if lo <= float(a) - wall0 < hi)
         count = sum(1 for t in sent_at if lo <= t < hi)
+        done = sum(1 for _, b in lines if lo <= float(b) - wall0 < hi)  # actor starts in the window
         sample = sampler.samples[w] if w < len(sampler.samples) else {}
         out.append(
             {
@@ -133,12 +141,21 @@ def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace,
                 "p99_ms": percentile(lat, 99) if lat else None,
                 "received": len(lat),
                 "sent_per_s": count / args.window,
+                "done_per_s": done / args.window,
                 "pinned": bool(pin and lo < pin[1] and hi > pin[0]),
                 **sample,
             }
         )
-    missing = total - len(lines)
-    return {"windows": out, "sent": total, "missing": missing}
+    started = {a for a, _ in lines}
+    missing = total - len(started)
+    clean = sorted((float(b) - float(a)) * 1000 for a, b in lines if pin and float(a) - wall0 < pin[0])
+    return {
+        "windows": out,
+        "sent": total,
+        "missing": missing,
+        "ran_twice": len(lines) - len(started),
+        "clean_p99_ms": percentile(clean, 99) if clean else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", default="120:240", help="seconds of the pinned run the xmin is held (from:to)")
     parser.add_argument("--window", type=float, default=30.0)
     parser.add_argument("--runs", default="unpinned,pinned")
+    parser.add_argument("--goal", action="store_true", help="the pinned soak alone: 200/s, 5 min clean, 30 min pinned, 5 after")
+    parser.add_argument("--long", action="store_true", help="with --goal: the horizon pinned for 2 hours")
+    parser.add_argument("--out", default="soak.json", help="file name under benchmarks/results")
     args = parser.parse_args(argv)
+    if args.goal:
+        pinned_for = 120 if args.long else 30
+        args.runs, args.rate, args.window = "pinned", 200.0, 60.0
+        args.pinned_minutes = 5 + pinned_for + 5
+        args.pin = f"300:{300 + pinned_for * 60}"
     pin_from, pin_to = (float(x) for x in args.pin.split(":"))
     url = os.environ.get("BENCH_PG_URL") or apps.PG_URL
     runs = args.runs.split(",")
@@ -169,25 +194,65 @@ def main(argv: list[str] | None = None) -> int:
     out["load_end"] = os.getloadavg()
     report(out, runs)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
 def _cells(w: dict[str, Any] | None) -> str:
     if not w:
-        return " " * 40
+        return " " * 46
     p50 = f"{w['p50_ms']:.1f}" if w["p50_ms"] is not None else "-"
     p99 = f"{w['p99_ms']:.1f}" if w["p99_ms"] is not None else "-"
     mb = f"{w['mb']:.1f}" if "mb" in w else "-"
     dead = f"{w['dead']:,}" if "dead" in w else "-"
     mark = "*" if w["pinned"] else " "
-    return f"{p50:>6} {p99:>7} {w['sent_per_s']:>5.0f} {mb:>6} {dead:>9}{mark}"
+    return f"{p50:>6} {p99:>7} {w['sent_per_s']:>5.0f} {w.get('done_per_s', 0):>5.0f} {mb:>6} {dead:>9}{mark}"
+
+
+def goals(run: dict[str, Any], pin: tuple[float, float]) -> list[str]:
+    """Issue 41's goals for a pinned run, each window against the clean phase before the pin.
+
+    Throughput (actor starts a second) at least 95% of the clean windows' median in every window
+    the pin covers; p99 (send to actor start) at most twice the clean phase's; nothing lost; dead
+    tuples back to the clean phase's level within the windows after the release.
+    """
+    ws = run["windows"]
+    clean = [w for w in ws if w["window"][1] <= pin[0]]
+    pinned = [w for w in ws if w["pinned"]]
+    after = [w for w in ws if w["window"][0] >= pin[1]]
+    if not clean or not pinned:
+        return ["no clean or no pinned window: nothing to compare"]
+    rates = sorted(w["done_per_s"] for w in clean)
+    rate = rates[len(rates) // 2]
+    p99 = run["clean_p99_ms"]
+    worst_rate = min(pinned, key=lambda w: w["done_per_s"])
+    worst_p99 = max(pinned, key=lambda w: w["p99_ms"] or 0.0)
+    dead_clean = max(w.get("dead", 0) for w in clean)
+    back = next((w for w in after if w.get("dead", 0) <= max(dead_clean, 1_000) * 1.5), None)
+    lines = [
+        f"throughput: clean median {rate:.1f}/s; worst pinned window {worst_rate['done_per_s']:.1f}/s "
+        f"({worst_rate['done_per_s'] / rate:.3f}x) at {worst_rate['window'][0]:.0f} s: "
+        + ("met" if worst_rate["done_per_s"] >= 0.95 * rate else "NOT MET") + " (>= 0.95x)",
+        f"p99: clean phase {p99:.1f} ms; worst pinned window {worst_p99['p99_ms']:.1f} ms "
+        f"({worst_p99['p99_ms'] / p99:.2f}x) at {worst_p99['window'][0]:.0f} s: "
+        + ("met" if worst_p99["p99_ms"] <= 2 * p99 else "NOT MET") + " (<= 2x)",
+        f"lost: {run['missing']} never started, {run['ran_twice']} started twice: "
+        + ("met" if run["missing"] == 0 else "NOT MET"),
+    ]
+    if after:
+        sizes = f"size {clean[-1].get('mb', 0):.1f} MB before the pin, {max(w.get('mb', 0) for w in pinned):.1f} at most "
+        sizes += f"under it, {after[-1].get('mb', 0):.1f} at the end"
+        if back is not None:
+            lines.append(f"dead tuples back to the clean level ({dead_clean:,}) by {back['window'][1] - pin[1]:.0f} s after the release; {sizes}")
+        else:
+            lines.append(f"dead tuples NOT back to the clean level ({dead_clean:,}) by the end; {sizes}")
+    return lines
 
 
 def report(out: dict[str, Any], runs: list[str]) -> None:
-    head = f"{'p50':>6} {'p99':>7} {'/s':>5} {'MB':>6} {'dead':>9} "
+    head = f"{'p50':>6} {'p99':>7} {'sent':>5} {'done':>5} {'MB':>6} {'dead':>9} "
     print(f"\nsoak at {out['rate']:g} sends/s, PostgreSQL {out['postgresql']}; latency ms from send() to actor start")
-    print(f"{'window s':<10}" + "".join(f"| {name:<39}" for name in runs))
+    print(f"{'window s':<10}" + "".join(f"| {name:<45}" for name in runs))
     print(f"{'':<10}" + "".join(f"| {head}" for _ in runs))
     longest = max(len(out[name]["windows"]) for name in runs)
     for k in range(longest):
@@ -205,7 +270,10 @@ def report(out: dict[str, Any], runs: list[str]) -> None:
         if pinned:
             line += f", pinned windows max {max(pinned):.1f} ms ({max(pinned) / max(unpinned):.2f}x)"
         print(line)
-    print("* = the xmin was pinned during (part of) the window")
+        if name == "pinned":
+            for text in goals(r, (out["pin"][0], out["pin"][1])):
+                print(f"  {text}")
+    print("* = the xmin was pinned during (part of) the window; sent and done a second (done: actor starts)")
     print(f"load average {out['load_start'][0]:.1f} -> {out['load_end'][0]:.1f}")
 
 
