@@ -193,7 +193,10 @@ def test_rows_behind_the_floor_are_found_by_the_next_look_back(
     listen: bool,
     priority: int,
 ) -> None:
+    # Rows 30 s behind the floor lie behind the window of a listening process's look backs too: the
+    # full one finds them (every FULL_LOOK_BACK_EVERY; the next test has the window's).
     monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 0.3)
+    monkeypatch.setattr(floors, "FULL_LOOK_BACK_EVERY", 0.3)
     broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600, listen=listen)
     dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
     c = broker.consume("floor", prefetch=4, timeout=200)
@@ -209,6 +212,71 @@ def test_rows_behind_the_floor_are_found_by_the_next_look_back(
         got = next_message(c)
         assert got.message_id == late
         assert HEAD in starts  # found by a claim from the head
+        c.ack(first)
+        c.ack(got)
+    finally:
+        c.close()
+
+
+def test_a_listening_process_looks_back_over_the_window_and_to_the_head_only_every_full_look_back(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], monkeypatch: pytest.MonkeyPatch, starts: list
+) -> None:
+    """Given a listening consumer whose floor is set, I expect its look backs that nothing announced to
+    start LOOK_BACK_WINDOW before the floor, not at the head (under a pinned horizon the head is where
+    every claimed row's dead entry lies): a row that committed 3 s late is found by one; a row 60 s behind
+    the floor is not, until the full look back (every FULL_LOOK_BACK_EVERY) goes to the head."""
+    monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 0.2)
+    monkeypatch.setattr(floors, "LOOK_BACK_MAX_FACTOR", 1)
+    monkeypatch.setattr(floors, "FULL_LOOK_BACK_EVERY", 3600.0)
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600)
+    dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        listening(broker)
+        send(broker, 0)
+        first = drained_floor(broker, c)  # a claim from the head: the full look back is an hour away
+        late = late_row(broker, priority=0, seconds_ago=3)
+        starts.clear()
+        got = next_message(c)
+        assert got.message_id == late
+        assert HEAD not in starts and any(isinstance(s, floors.Window) for s in starts), starts
+        window = next(s for s in starts if isinstance(s, floors.Window))
+        assert window[1] == c.floor.at[0] - floors.LOOK_BACK_WINDOW or window[1] < c.floor.at[0], window
+        c.ack(first)
+        c.ack(got)
+
+        far = late_row(broker, priority=0, seconds_ago=60)
+        starts.clear()
+        # Three look backs over the window pass it by (each a claim of its own: the row stays queued).
+        wait_for(lambda: next(c) or sum(isinstance(s, floors.Window) for s in starts) >= 3, 30, "three window look backs")
+        assert HEAD not in starts, starts
+        assert query(broker, "SELECT state FROM {schema}.message WHERE message_id = %s", [far]) == [("queued",)]
+        c.floor._full_due = 0.0  # the full look back is due (FULL_LOOK_BACK_EVERY has passed)
+        got = next_message(c)
+        assert got.message_id == far
+        assert HEAD in starts
+        c.ack(got)
+    finally:
+        c.close()
+
+
+def test_a_process_that_does_not_listen_looks_back_to_the_head(
+    dramatiq_pg_broker_factory: Callable[..., PostgresBroker], monkeypatch: pytest.MonkeyPatch, starts: list
+) -> None:
+    """Without LISTEN no "!back" says a row went back behind the floor: every look back goes to the head."""
+    monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 0.2)
+    broker = dramatiq_pg_broker_factory(poll_interval=0.1, rescue_interval=3600, listen=False)
+    dramatiq.actor(queue_name="floor", actor_name="work", broker=broker)(lambda n: None)
+    c = broker.consume("floor", prefetch=4, timeout=200)
+    try:
+        assert not c.floor.windowed
+        send(broker, 0)
+        first = drained_floor(broker, c)
+        far = late_row(broker, priority=0, seconds_ago=60)
+        starts.clear()
+        got = next_message(c)
+        assert got.message_id == far and HEAD in starts
+        assert not any(isinstance(s, floors.Window) for s in starts), starts
         c.ack(first)
         c.ack(got)
     finally:

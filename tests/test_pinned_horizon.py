@@ -31,7 +31,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
-from dramatiq_pg_fenced.core.floor import HEAD
+from dramatiq_pg_fenced.core.floor import HEAD, LOOK_BACK_WINDOW
 from dramatiq_pg_fenced.core.maintenance import RESCUE_MARGIN
 
 #: Message lives (each: insert, claim, extend, ack) before the first and the second measure.
@@ -136,6 +136,9 @@ def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, An
         # the claim (from the head: a consumer that knows no floor), and the next due row
         "claim": (st.claim, claim),
         "claim_relaxed": (st.claim_relaxed, claim),
+        # a look back nothing announced, in a process that listens: from the window before the floor
+        # (the floor at the live rows; the dead lives lie an hour before it)
+        "claim_window": (st.claim, {**claim, "from_priority": 0, "from_at": now - LOOK_BACK_WINDOW, "from_seq": HEAD[2]}),
         "next_due": (st.next_due, {"queue": "q"}),
         # the start gate
         "still_held_many": (st.still_held_many, [prefetch, prefetch_tokens]),

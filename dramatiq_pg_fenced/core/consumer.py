@@ -168,7 +168,8 @@ class PostgresConsumer(Consumer):
         # The wait until _quiet_until is only a look at the turns again, not a poll: the next poll of
         # ours was further away than turns.DUTY, and who is on duty may change meanwhile.
         self._only_look = False
-        self.floor = Floor(priority, look_back, queue_name)
+        # A process that listens hears every "!back": its unannounced look backs may start at the window.
+        self.floor = Floor(priority, look_back, queue_name, windowed=doorbell is not None and not fair)
         self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
 
     def __next__(self) -> MessageProxy | None:

@@ -32,6 +32,26 @@ LOOK_BACK_MAX_FACTOR = 8
 #: visible when it commits; one that commits later than this lands behind the
 #: floor and waits for the next claim from the head (``LOOK_BACK_EVERY``).
 FLOOR_MARGIN = timedelta(milliseconds=250)
+#: In a process that listens, a look back that nothing announced (the periodic one, and the one after
+#: a claim from the floor that found nothing for a ring) starts this far before the floor, not at the
+#: head: what lands behind the floor unannounced is an enqueue that committed late, by about as long
+#: as its commit took.  Every row put back at its old place says ``"!back"`` (:class:`LookBack`), and
+#: that look back goes to the head.  Under a pinned horizon a claim from the head steps over every
+#: entry the pin keeps dead (270 ms after 30 minutes at 200 messages/s, docs/performance.md); one
+#: from the window steps over the last few seconds' only.
+LOOK_BACK_WINDOW = timedelta(seconds=10)
+#: ... and one such look back in this many seconds goes to the head anyway: for a row behind the
+#: window that nothing announced (a commit later than the window, a priority no actor here has, an
+#: announcement missed).  A process that does not listen hears no ``"!back"``: each of its look
+#: backs goes to the head.
+FULL_LOOK_BACK_EVERY = 300.0
+
+
+class Window(tuple):
+    """Where a look back from :data:`LOOK_BACK_WINDOW` before the floor starts (a claim's start, as
+    ``HEAD`` is one): ``(priority, available_at, seq)``."""
+
+    __slots__ = ()
 
 
 class LookBack:
@@ -85,13 +105,20 @@ class Floor:
     the floor found others) at the next periodic claim from the head:
     ``LOOK_BACK_EVERY`` after the last one, up to ``LOOK_BACK_MAX_FACTOR``
     times that while they find nothing behind the floor (each doubles the wait;
-    one that finds a row there sets it back).
+    one that finds a row there sets it back).  In a process that listens, those
+    last two start :data:`LOOK_BACK_WINDOW` before the floor (a :class:`Window`),
+    except one every :data:`FULL_LOOK_BACK_EVERY`, which goes to the head.
     """
 
-    def __init__(self, priority: int, look_back: LookBack | None, queue_name: str) -> None:
+    def __init__(
+        self, priority: int, look_back: LookBack | None, queue_name: str, *, windowed: bool = False
+    ) -> None:
         self.priority = priority
         self.look_back = look_back if look_back is not None else LookBack()  # alone: nobody asks
         self.queue_name = queue_name
+        #: Look backs that nothing announced start at the :class:`Window` (a process that hears "!back").
+        self.windowed = windowed
+        self._full_due = 0.0  # monotonic: the next look back goes to the head from then on
         self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
         self._head_due = 0.0  # monotonic
         self._head_at = -math.inf  # monotonic: the last claim from the head
@@ -102,24 +129,33 @@ class Floor:
         self.look_back_due: float | None = None
 
     def start(self) -> tuple[int, Any, int]:
-        """Where the next claim starts; ``HEAD`` when it must look back."""
+        """Where the next claim starts: ``HEAD`` when it must look back all the way (after a ``"!back"``,
+        with no floor, every :data:`FULL_LOOK_BACK_EVERY`, or always in a process that does not
+        listen), a :class:`Window` for a look back nothing announced, else the floor."""
         back = self.look_back.count(self.queue_name)
         if back != self._back_seen:
             self._back_seen = back
             self.at = None
         now = time.monotonic()
-        if self.at is None or now >= self._head_due or (self.look_back_due is not None and now >= self.look_back_due):
+        if self.at is None:
             return HEAD
+        if now >= self._head_due or (self.look_back_due is not None and now >= self.look_back_due):
+            if not self.windowed or now >= self._full_due:
+                return HEAD
+            return Window((self.priority, self.at[0] - LOOK_BACK_WINDOW, HEAD[2]))
         return (self.priority, *self.at)
 
     def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
         """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
-        if start is HEAD:
+        looked_back = start is HEAD or isinstance(start, Window)
+        if looked_back:
             if self.at is not None:  # did it find a row behind the floor?  (Unknown without one.)
                 floor = (self.priority, *self.at)
                 behind = any((r[4], r[5], r[6]) < floor for r in rows)
                 self._factor = 1 if behind else min(2 * self._factor, LOOK_BACK_MAX_FACTOR)
             self._head_at = time.monotonic()
+            if start is HEAD:
+                self._full_due = self._head_at + FULL_LOOK_BACK_EVERY
             self._head_due = self._head_at + LOOK_BACK_EVERY * self._factor
             self.look_back_due = None
         else:
@@ -139,7 +175,7 @@ class Floor:
                 self.at = None  # a priority no actor here has is in line: claim from the head
                 return
             at = (available_at, seq) if priority == self.priority else drained
-        self.at = at if start is HEAD or self.at is None else max(self.at, at)
+        self.at = at if looked_back or self.at is None else max(self.at, at)
 
     def short(self) -> None:
         """A claim from the floor came back short, and a row may wait behind the floor (a fair claim's
