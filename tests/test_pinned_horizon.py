@@ -58,7 +58,8 @@ GONE_IN_BATCH = 10
 STILL_GROWING = {
     "claim": "from the head (floor.HEAD): a row put back or committed late may lie anywhere behind the"
     " floor, among the dead entries, and a B-tree scan visits each entry before the first live one; bounded"
-    " in frequency instead (floor.LOOK_BACK_MAX_FACTOR)",
+    " in frequency instead: after a \"!back\" and once per floor.FULL_LOOK_BACK_EVERY in a listening process"
+    " (claim_window, held flat, is its other look backs)",
     "claim_relaxed": "the same",
     "relay_look": "the queued rows of the outbox's queues in seq order, by the claim index: its dead entries too",
     "relay_waiting": "a count over the same entries: a count of a range visits every entry in it",
