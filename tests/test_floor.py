@@ -223,8 +223,10 @@ def test_a_listening_process_looks_back_over_the_window_and_to_the_head_only_eve
 ) -> None:
     """Given a listening consumer whose floor is set, I expect its look backs that nothing announced to
     start LOOK_BACK_WINDOW before the floor, not at the head (under a pinned horizon the head is where
-    every claimed row's dead entry lies): a row that committed 3 s late is found by one; a row 60 s behind
-    the floor is not, until the full look back (every FULL_LOOK_BACK_EVERY) goes to the head."""
+    every claimed row's dead entry lies): a row that committed 3 s late is found by one; the probe behind
+    the window (every FULL_LOOK_BACK_EVERY, beside the claims) sends no claim to the head while it finds
+    nothing; a row 60 s behind the floor is passed by the window's look backs until the probe finds it,
+    and the next claim goes to the head for it."""
     monkeypatch.setattr(floors, "LOOK_BACK_EVERY", 0.2)
     monkeypatch.setattr(floors, "LOOK_BACK_MAX_FACTOR", 1)
     monkeypatch.setattr(floors, "FULL_LOOK_BACK_EVERY", 3600.0)
@@ -245,16 +247,21 @@ def test_a_listening_process_looks_back_over_the_window_and_to_the_head_only_eve
         c.ack(first)
         c.ack(got)
 
+        starts.clear()
+        c.floor._full_due = 0.0  # the probe is due (FULL_LOOK_BACK_EVERY has passed); nothing is behind
+        wait_for(lambda: next(c) or c.probes >= 1, 30, "a probe behind the window")
+        assert HEAD not in starts, starts
+
         far = late_row(broker, priority=0, seconds_ago=60)
         starts.clear()
         # Three look backs over the window pass it by (each a claim of its own: the row stays queued).
         wait_for(lambda: next(c) or sum(isinstance(s, floors.Window) for s in starts) >= 3, 30, "three window look backs")
         assert HEAD not in starts, starts
         assert query(broker, "SELECT state FROM {schema}.message WHERE message_id = %s", [far]) == [("queued",)]
-        c.floor._full_due = 0.0  # the full look back is due (FULL_LOOK_BACK_EVERY has passed)
+        c.floor._full_due = 0.0  # the probe is due again: it finds the row, and the next claim goes to the head
         got = next_message(c)
         assert got.message_id == far
-        assert HEAD in starts
+        assert HEAD in starts and c.probes >= 2, (starts, c.probes)
         c.ack(got)
     finally:
         c.close()
@@ -432,3 +439,33 @@ def test_claims_from_the_head_that_find_nothing_behind_the_floor_come_less_often
     assert floor.look_back_due is not None and floor.look_back_due - time.monotonic() <= floors.LOOK_BACK_EVERY
     floor.claimed(HEAD, [row(now - timedelta(seconds=5), 4)], 4)  # a row behind the floor: back to every second
     assert floor._head_due - time.monotonic() <= floors.LOOK_BACK_EVERY
+
+
+def test_the_probe_behind_the_window_sends_a_claim_to_the_head_only_when_it_found_a_row() -> None:
+    """Without a database: in a listening process (windowed), a due probe is asked for beside the
+    claim from the floor (never a claim from the head in its place); one that found nothing changes
+    nothing, one that found a row sends the next claim to the head at once, and one that failed is
+    asked for again at the next claim."""
+    floor = floors.Floor(0, None, "floor", windowed=True)
+    now = datetime.now(timezone.utc)
+    row = (None, None, None, None, 0, now, 1, now)  # priority, available_at, seq at 4-6; now() at 7
+    floor.claimed(HEAD, [row], 4)  # short, from the head: the floor is set, the probe FULL_LOOK_BACK_EVERY away
+    assert floor.start() == (0, *floor.at) and not floor.probe_wanted
+    floor._full_due = 0.0
+    start = floor.start()
+    assert start is not HEAD and not isinstance(start, floors.Window) and floor.probe_wanted
+    floor.probe_wanted = False  # the consumer starts the probe
+    assert floor.start() is not HEAD and not floor.probe_wanted  # not asked twice
+    floor.probed(False)
+    assert floor.start() is not HEAD
+    floor.probed(None)  # failed: asked for again
+    floor.start()
+    assert floor.probe_wanted
+    floor.probe_wanted = False
+    floor.probed(True)
+    assert floor.look_back_due is not None and floor.start() is HEAD
+    floor._head_due = 0.0  # a periodic look back is due: from the window, not the head
+    floor.claimed(HEAD, [row], 4)
+    floor._head_due = 0.0
+    assert isinstance(floor.start(), floors.Window)
+    assert not isinstance(floors.Floor(0, None, "floor").start(), floors.Window)  # not windowed: the head

@@ -58,9 +58,11 @@ GONE_IN_BATCH = 10
 STILL_GROWING = {
     "claim": "from the head (floor.HEAD): a row put back or committed late may lie anywhere behind the"
     " floor, among the dead entries, and a B-tree scan visits each entry before the first live one; bounded"
-    " in frequency instead: after a \"!back\" and once per floor.FULL_LOOK_BACK_EVERY in a listening process"
-    " (claim_window, held flat, is its other look backs)",
+    " in frequency instead: in a listening process only after a \"!back\" or a row found behind the window"
+    " (behind_window); claim_window, held flat, is its other look backs",
     "claim_relaxed": "the same",
+    "behind_window": "the probe behind the look-back window walks from the head as the claim does; on a thread"
+    " and a connection of its own, once per floor.FULL_LOOK_BACK_EVERY: the claims do not wait for it",
     "relay_look": "the queued rows of the outbox's queues in seq order, by the claim index: its dead entries too",
     "relay_waiting": "a count over the same entries: a count of a range visits every entry in it",
 }
@@ -140,6 +142,11 @@ def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, An
         # a look back nothing announced, in a process that listens: from the window before the floor
         # (the floor at the live rows; the dead lives lie an hour before it)
         "claim_window": (st.claim, {**claim, "from_priority": 0, "from_at": now - LOOK_BACK_WINDOW, "from_seq": HEAD[2]}),
+        # the probe behind that window (beside the claims, once per floor.FULL_LOOK_BACK_EVERY)
+        "behind_window": (
+            st.behind_window,
+            {"queue": "q", "to_priority": 0, "to_at": now - LOOK_BACK_WINDOW, "to_seq": HEAD[2]},
+        ),
         "next_due": (st.next_due, {"queue": "q"}),
         # the start gate
         "still_held_many": (st.still_held_many, [prefetch, prefetch_tokens]),

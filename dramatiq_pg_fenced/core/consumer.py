@@ -170,6 +170,8 @@ class PostgresConsumer(Consumer):
         self._only_look = False
         # A process that listens hears every "!back": its unannounced look backs may start at the window.
         self.floor = Floor(priority, look_back, queue_name, windowed=doorbell is not None and not fair)
+        self._probing = threading.Event()  # a probe behind the floor's window runs (_probe_behind)
+        self.probes = 0  #: probes behind the window that ended (tests)
         self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
 
     def __next__(self) -> MessageProxy | None:
@@ -363,6 +365,9 @@ class PostgresConsumer(Consumer):
         # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
         rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
         self.floor.claimed(start, rows, limit)  # a fair queue's: when to claim from the head
+        if self.floor.probe_wanted:
+            self.floor.probe_wanted = False
+            self._probe_behind()
         if not self.fair:
             return rows
         self.key_floors.claimed(start, rows)
@@ -377,6 +382,32 @@ class PostgresConsumer(Consumer):
             claim = self._statement(fair=False, telling=params["took"] is not None)
             rows += conn.execute(with_limit(claim, room), params, prepare=self.database.prepare or None).fetchall()
         return rows
+
+    def _probe_behind(self) -> None:
+        """Look for a claimable row behind the floor's window on a thread and a connection of its own
+        (floor.FULL_LOOK_BACK_EVERY): under a pinned horizon that walk is as long as a claim from the
+        head, and the claims do not wait for it; only a row found there sends the next one to the head."""
+        if self._probing.is_set() or self.floor.at is None:
+            return
+        bound = self.floor.window()
+        self._probing.set()
+
+        def probe() -> None:
+            found: bool | None = None
+            try:
+                params = {"queue": self.queue_name, "to_priority": bound[0], "to_at": bound[1], "to_seq": bound[2]}
+                with self.database.connection(raw=True, timeout=self.settings.poll_interval) as conn:
+                    found = conn.execute(self.statements.behind_window, params).fetchone() is not None
+            except Exception as e:  # noqa: BLE001 (the database away, the broker closed: probe again later)
+                self.logger.debug("Probe behind the floor of queue %r failed: %s", self.queue_name, e)
+            finally:
+                self.probes += found is not None
+                self.floor.probed(found)
+                self._probing.clear()
+                if found and self.wake is not None:
+                    self.wake.set()
+
+        threading.Thread(target=probe, name=f"probe-{self.queue_name}", daemon=True).start()
 
     def _statement(self, *, fair: bool, telling: bool) -> bytes:
         st, durable = self.statements, self.settings.durable_outcomes

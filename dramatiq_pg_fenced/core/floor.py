@@ -40,10 +40,12 @@ FLOOR_MARGIN = timedelta(milliseconds=250)
 #: entry the pin keeps dead (270 ms after 30 minutes at 200 messages/s, docs/performance.md); one
 #: from the window steps over the last few seconds' only.
 LOOK_BACK_WINDOW = timedelta(seconds=10)
-#: ... and one such look back in this many seconds goes to the head anyway: for a row behind the
-#: window that nothing announced (a commit later than the window, a priority no actor here has, an
-#: announcement missed).  A process that does not listen hears no ``"!back"``: each of its look
-#: backs goes to the head.
+#: ... and once in this many seconds a probe beside the claims (a thread and a connection of its own)
+#: looks for a claimable row behind the window, and asks for a look back to the head only if it finds
+#: one: a row behind the window that nothing announced (a commit later than the window, a priority no
+#: actor here has, an announcement missed).  The probe walks what the claim from the head would, but
+#: the claims do not wait for it.  A process that does not listen hears no ``"!back"``: each of its
+#: look backs goes to the head.
 FULL_LOOK_BACK_EVERY = 300.0
 
 
@@ -106,8 +108,9 @@ class Floor:
     ``LOOK_BACK_EVERY`` after the last one, up to ``LOOK_BACK_MAX_FACTOR``
     times that while they find nothing behind the floor (each doubles the wait;
     one that finds a row there sets it back).  In a process that listens, those
-    last two start :data:`LOOK_BACK_WINDOW` before the floor (a :class:`Window`),
-    except one every :data:`FULL_LOOK_BACK_EVERY`, which goes to the head.
+    last two start :data:`LOOK_BACK_WINDOW` before the floor (a :class:`Window`), and
+    once every :data:`FULL_LOOK_BACK_EVERY` a probe beside the claims looks behind the
+    window and, if it finds a row there, sends the next claim to the head.
     """
 
     def __init__(
@@ -118,7 +121,9 @@ class Floor:
         self.queue_name = queue_name
         #: Look backs that nothing announced start at the :class:`Window` (a process that hears "!back").
         self.windowed = windowed
-        self._full_due = 0.0  # monotonic: the next look back goes to the head from then on
+        self._full_due = 0.0  # monotonic: when the next probe behind the window is due
+        #: Set by :meth:`start` when that probe is due; the consumer clears it as it starts one.
+        self.probe_wanted = False
         self.at: tuple[datetime, int] | None = None  # (available_at, seq); None: claim from the head
         self._head_due = 0.0  # monotonic
         self._head_at = -math.inf  # monotonic: the last claim from the head
@@ -130,8 +135,8 @@ class Floor:
 
     def start(self) -> tuple[int, Any, int]:
         """Where the next claim starts: ``HEAD`` when it must look back all the way (after a ``"!back"``,
-        with no floor, every :data:`FULL_LOOK_BACK_EVERY`, or always in a process that does not
-        listen), a :class:`Window` for a look back nothing announced, else the floor."""
+        with no floor, when the probe found a row behind the window, or always in a process that does
+        not listen), a :class:`Window` for a look back nothing announced, else the floor."""
         back = self.look_back.count(self.queue_name)
         if back != self._back_seen:
             self._back_seen = back
@@ -139,11 +144,28 @@ class Floor:
         now = time.monotonic()
         if self.at is None:
             return HEAD
+        if self.windowed and now >= self._full_due:
+            self._full_due = now + FULL_LOOK_BACK_EVERY
+            self.probe_wanted = True  # the consumer probes behind the window, beside its claims
         if now >= self._head_due or (self.look_back_due is not None and now >= self.look_back_due):
-            if not self.windowed or now >= self._full_due:
+            if not self.windowed:
                 return HEAD
-            return Window((self.priority, self.at[0] - LOOK_BACK_WINDOW, HEAD[2]))
+            return self.window()
         return (self.priority, *self.at)
+
+    def window(self) -> Window:
+        """Where a look back nothing announced starts (the floor must be set)."""
+        assert self.at is not None
+        return Window((self.priority, self.at[0] - LOOK_BACK_WINDOW, HEAD[2]))
+
+    def probed(self, found: bool | None) -> None:
+        """The probe behind the window (another thread) ended: it *found* a claimable row there (the
+        next claim goes to the head, at once), found none, or failed (``None``: probe again soon)."""
+        if found is None:
+            self._full_due = 0.0
+        elif found:
+            self.look_back.request(self.queue_name)
+            self.look_back_due = time.monotonic()
 
     def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
         """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""

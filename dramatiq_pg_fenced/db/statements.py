@@ -226,6 +226,7 @@ class Statements:
     claim_fair_relaxed: bytes
     claim_fair_telling: bytes
     claim_fair_telling_relaxed: bytes
+    behind_window: bytes
     next_due: bytes
     release_unseen: bytes
     release_unseen_logged: bytes

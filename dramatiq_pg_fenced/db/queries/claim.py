@@ -129,6 +129,17 @@ TEMPLATES.update(
         "claim_fair_relaxed": _claim(relaxed=True, fair=True),
         "claim_fair_telling": _claim(relaxed=False, telling=True, fair=True),
         "claim_fair_telling_relaxed": _claim(relaxed=True, telling=True, fair=True),
+        # Is a claimable row waiting behind a consumer's look-back window (floor.Window)?  Read without
+        # locking, by the claim index from its head: under a pinned horizon it steps over every dead
+        # entry there, as a claim from the head does, but on a connection and a thread of its own, once
+        # per floor.FULL_LOOK_BACK_EVERY, so the consumer's claims never wait for it (core/consumer.py).
+        "behind_window": """
+            SELECT 1 FROM {schema}.message
+             WHERE queue_name = %(queue)s AND state = 'queued' AND available_at <= now()
+               AND (priority, available_at, seq) < (%(to_priority)s::int, %(to_at)s::timestamptz, %(to_seq)s::bigint)
+             ORDER BY priority, available_at, seq
+             LIMIT 1
+        """,
         "extend": _extend(relaxed=False),
         "extend_relaxed": _extend(relaxed=True),
         # How the outcome writer's and the shutdown release's transactions
