@@ -30,7 +30,7 @@ LOOK_BACK_MAX_FACTOR = 8
 #: How far before the database's clock at a drained claim the floor is put:
 #: an enqueue stamps ``available_at`` when its statement starts and becomes
 #: visible when it commits; one that commits later than this lands behind the
-#: floor and waits for the next claim from the head (``LOOK_BACK_EVERY``).
+#: floor and waits for the next look back (``LOOK_BACK_EVERY``; :data:`LOOK_BACK_WINDOW`).
 FLOOR_MARGIN = timedelta(milliseconds=250)
 #: In a process that listens, a look back that nothing announced (the periodic one, and the one after
 #: a claim from the floor that found nothing for a ring) starts this far before the floor, not at the
