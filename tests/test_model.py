@@ -20,6 +20,11 @@ rescuer's decides).  Hypothesis interleaves at random:
   send) and returns, raises inside the block or raises after it, its lease
   lapsed and a rescuer and a cancel running inside the block or not; the same after its
   delivery lost its message (redelivered elsewhere, cancelled, rescued);
+- claims from the head (most rules: which message comes next depends on the
+  queue alone), and claims as a consumer makes them between look backs
+  (floor.py): from its floor, from the window before it, after the probe
+  behind the window, with the queued rows put behind the floor unannounced
+  (late commits, a missed "!back") or not;
 - faults: a delivery's holder stalls past its lease and another process takes
   the message; every lease lapses and a process rescues them;
 - operators, through the broker's methods: cancel, re-drive (one message, a
@@ -36,6 +41,10 @@ After every step the database is checked against a reference model:
   its ``max_deliveries``, when it dead-lettered the message);
 - attempt numbers only grow (for one incarnation of an id);
 - a paused queue is never claimed, and a due message of an unpaused queue is;
+  a claim from a floor or a window takes the first due row from where it
+  started and finds none only where none is; the probe finds a row exactly
+  when one is due behind the window, and then the next claim is from the head;
+  with the probe's none, the look back from the window finds every due row;
   a purge never deletes a running message, and deletes exactly what it reports;
 - a re-drive moves back exactly the dead or cancelled messages, and never one
   that moved on after the re-drive read it;
@@ -89,10 +98,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import dramatiq
@@ -108,8 +119,10 @@ from psycopg import sql
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
 from dramatiq_pg_fenced.core import delivery
+from dramatiq_pg_fenced.core import floor as floor_module
 from dramatiq_pg_fenced.core.consumer import with_limit
 from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
+from dramatiq_pg_fenced.core.floor import HEAD, Window
 from dramatiq_pg_fenced.errors import DeliveryLost
 from dramatiq_pg_fenced.features.results import PostgresBackend
 from dramatiq_pg_fenced.ops import admin
@@ -301,6 +314,7 @@ class FenceModel(RuleBasedStateMachine):
         consumer = self.consumers[which]
         # From the head of the queue, at once (as after a doorbell's ring and a look back), so that which
         # message comes next depends on the queue alone, and a replay of a failing example claims the same.
+        # (claim_from_the_floor claims from where the consumer's floor says.)
         proxy = None
         for _ in range(5):  # a claim that found no pooled connection in time (a busy machine) tries again
             consumer.floor.forget()
@@ -311,6 +325,11 @@ class FenceModel(RuleBasedStateMachine):
         if proxy is None:
             assert not self._claimable(which), "a due message of an unpaused queue is claimed"
             return None
+        return self._claimed(which, proxy)
+
+    def _claimed(self, which: int, proxy: Any) -> Held:
+        """The model's side of a claim that returned *proxy*."""
+        consumer = self.consumers[which]
         assert not self.world.paused, "a paused queue is never claimed"
         assert isinstance(proxy, PostgresMessageProxy)
         row = self.world.rows.get(proxy.message_id)
@@ -408,6 +427,140 @@ class FenceModel(RuleBasedStateMachine):
     def claim(self, which: list[int]) -> None:
         """Consumers claim, one after the other."""
         self.held += [held for w in which if (held := self._claim(w)) is not None]
+
+    def _due_from(self, start: tuple, before: str | None = None) -> int:
+        """Due rows of QUEUE that sort at or after *start* in the claim index (and before the row *before*)."""
+        broker = self.brokers[0]
+        bound = sql.SQL(
+            "AND (priority, available_at, seq) < "
+            "(SELECT priority, available_at, seq FROM {schema}.message WHERE message_id = %(before)s)"
+        ).format(schema=sql.Identifier(broker.schema))
+        statement = sql.SQL(
+            "SELECT count(*) FROM {schema}.message WHERE queue_name = %(queue)s AND state = 'queued'"
+            " AND available_at <= now()"
+            " AND (priority, available_at, seq) >= (%(p)s::int, %(at)s::timestamptz, %(seq)s::bigint) {bound}"
+        ).format(schema=sql.Identifier(broker.schema), bound=bound if before else sql.SQL(""))
+        with psycopg.connect(self.url) as conn:
+            params = {"queue": QUEUE, "p": start[0], "at": start[1], "seq": start[2], "before": before}
+            (count,) = conn.execute(statement, params).fetchone() or (0,)
+            return int(count)
+
+    def _behind(self, bound: tuple) -> bool:
+        """Is a due row of QUEUE behind *bound* (what the probe looks for)?"""
+        with psycopg.connect(self.url) as conn:
+            return (
+                conn.execute(
+                    self.brokers[0].statements.behind_window,
+                    {"queue": QUEUE, "to_priority": bound[0], "to_at": bound[1], "to_seq": bound[2]},
+                ).fetchone()
+                is not None
+            )
+
+    @rule(which=st.integers(min_value=0, max_value=2), unannounced=st.booleans())
+    def claim_from_the_floor(self, which: int, unannounced: bool) -> None:
+        self._from_floor(which, "floor", 10_000, unannounced)
+
+    @rule(
+        which=st.integers(min_value=0, max_value=2),
+        window_ms=st.sampled_from([0, 100, 10_000]),
+        unannounced=st.booleans(),
+    )
+    def look_back_from_the_window(self, which: int, window_ms: int, unannounced: bool) -> None:
+        self._from_floor(which, "window", window_ms, unannounced)
+
+    @rule(
+        which=st.integers(min_value=0, max_value=2),
+        window_ms=st.sampled_from([0, 100, 10_000]),
+        unannounced=st.sampled_from([True, True, False]),
+    )
+    def probe_behind_the_window(self, which: int, window_ms: int, unannounced: bool) -> None:
+        self._from_floor(which, "probe", window_ms, unannounced)
+
+    def _from_floor(self, which: int, how: str, window_ms: int, unannounced: bool) -> None:
+        """A consumer claims as it does between look backs (floor.py): from its floor, from the window
+        before it (a look back nothing announced, the window *window_ms* long: 10 s in production), or
+        after the probe behind that window.  Whatever start the claim took (a "!back" heard meanwhile sends
+        it to the head), it takes the first due row from there, and finds none only if none is there; the
+        probe finds a row exactly when one is due behind the window, and then the next claim is from the
+        head; with the probe's none, the look back from the window finds every due row.  The fence's
+        invariants hold for what it claims as for a claim from the head.
+
+        With *unannounced*, every row queued now lies behind the floor, as if each had committed late or
+        its "!back" were missed: the floor is put at the server's clock, as a claim that found the queue
+        drained would put it (in a consumer that listens, whose look backs start at the window; a fair
+        queue's key floors are left alone)."""
+        consumer = self.consumers[which]
+        floor_ = consumer.floor
+        if self.brokers[which].parts.leases.capacity(QUEUE, 1) <= 0:
+            return  # no room: Dramatiq would not ask this consumer for a message
+        window, floor_module.LOOK_BACK_WINDOW = floor_module.LOOK_BACK_WINDOW, timedelta(milliseconds=window_ms)
+        starts: list[tuple] = []
+        real_start = floor_.start
+
+        def start() -> tuple:
+            starts.append(where := real_start())
+            return where
+
+        floor_.start = start  # type: ignore[method-assign]
+        try:
+            # Only this rule's probe runs (none started by a claim, on its own thread, at its own time).
+            floor_._full_due = math.inf
+            if unannounced and floor_.windowed:
+                with psycopg.connect(self.url) as conn:
+                    (now,) = conn.execute("SELECT now()").fetchone() or (None,)
+                floor_.at = (now, 2**62)
+            found: list[bool | None] = []
+            if how == "probe" and floor_.at is not None:
+                expected = self._behind(floor_.window())
+                real_probed = floor_.probed
+
+                def probed(result: bool | None) -> None:
+                    found.append(result)
+                    real_probed(result)
+
+                floor_.probed = probed  # type: ignore[method-assign,assignment]
+                try:
+                    consumer._probe_behind()
+                    wait_for(lambda: found, 10, "the probe behind the window")
+                finally:
+                    del floor_.probed
+                assert found[0] in (expected, None), "the probe finds a row exactly when one is behind the window"
+            if how == "floor":
+                floor_._head_due, floor_.look_back_due = math.inf, None
+            else:  # a look back: from the window, or after the probe from the window or the head
+                floor_._head_due, floor_.look_back_due = math.inf, time.monotonic()
+            proxy = None
+            for _ in range(5):  # no pooled connection in time (a busy machine): no claim ran, try again
+                assert consumer.wake is not None
+                consumer.wake.set()
+                proxy = next(consumer)
+                if starts:
+                    break
+        finally:
+            del floor_.start
+            floor_module.LOOK_BACK_WINDOW = window
+        if found and found[0]:
+            assert starts[0] is HEAD, "a row the probe found behind the window sends the next claim to the head"
+        if starts and how != "floor":
+            assert starts[0] is HEAD or isinstance(starts[0], Window) is floor_.windowed, (
+                "a look back nothing announced starts at the window (the head in a process that does not listen)"
+            )
+        # A fair queue's claim takes rows by round robin across keys from each key's floor (KeyFloors), not
+        # the first due row: for it the model checks the fence's invariants on what it claims.
+        if starts and not consumer.fair:
+            if proxy is None:
+                assert self.world.paused or all(self._due_from(start) == 0 for start in starts), (
+                    "a claim from the floor finds nothing only where no due row is at or after its start",
+                    starts,
+                )
+                if found and found[0] is False:
+                    assert self.world.paused or self._due_from(HEAD) == 0, (
+                        "the look back from the window and the probe behind it find every due row between them"
+                    )
+            else:
+                assert self._due_from(starts[-1], before=proxy.message_id) == 0, "a claim takes the first due row"
+        if proxy is not None:
+            self.held.append(self._claimed(which, proxy))
 
     @rule(pick=st.integers(min_value=0), which=st.integers(min_value=0, max_value=2), rescuer=st.integers(0, 2))
     def redeliver_elsewhere(self, pick: int, which: int, rescuer: int) -> None:
