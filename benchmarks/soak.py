@@ -19,12 +19,18 @@ its dead tuples (``pg_stat_user_tables``).  The two runs are printed side by
 side; the machine is shared, so compare within one run.  Results go to
 ``benchmarks/results/soak.json`` (``--out`` names another file).
 
-    python -m benchmarks.soak --goal [--long]
+    python -m benchmarks.soak --goal [--long] [--statements]
 
 The pinned soak of issue 41, alone: 200 sends/s, one-minute windows, five clean
 minutes, the horizon pinned for 30 minutes (``--long``: 2 hours), five minutes
 after the release; it ends with each goal's verdict, every pinned minute against
 the clean minutes before the pin (``goals``).
+
+With ``--statements`` it runs on a PostgreSQL server of its own with
+``pg_stat_statements`` loaded and prints, for the ten statements with the most
+time under the pin, their mean time, shared buffers and reads per call in the
+clean minutes, the first, middle and last pinned ones and those after: which
+statement's cost grows with the pin.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -46,18 +53,32 @@ from benchmarks.run import RESULTS, Plan, PostgresDriver, Workers, log, percenti
 PLAN = Plan("soak", 1, 0, 0, 0.0, 0, 0.0, 0, 0, 5_000, 1)
 
 
-class Sampler(threading.Thread):
-    """Table size and dead tuples of the message table, once per window."""
+#: Each statement's counters in pg_stat_statements (--statements), by queryid, for this database.
+STATEMENTS = """
+    SELECT queryid, calls, total_exec_time, shared_blks_hit + shared_blks_read, shared_blks_read,
+           left(regexp_replace(query, '\\s+', ' ', 'g'), 100)
+      FROM pg_stat_statements
+     WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
 
-    def __init__(self, url: str, schema: str, window: float, start: float) -> None:
+
+class Sampler(threading.Thread):
+    """Table size and dead tuples of the message table, once per window; with *statements*, every
+    statement's counters too (pg_stat_statements), reset at the start."""
+
+    def __init__(self, url: str, schema: str, window: float, start: float, statements: bool = False) -> None:
         super().__init__(daemon=True)
         self.url, self.schema, self.window, self.start_at = url, schema, window, start
         self.samples: list[dict[str, float]] = []
+        self.statements: list[dict[int, tuple]] | None = [] if statements else None
         self.stopping = threading.Event()
 
     def run(self) -> None:
         table = f'"{self.schema}".message'
         with psycopg.connect(apps.pg_url(self.url, "bench-soak-sampler"), autocommit=True) as conn:
+            if self.statements is not None:
+                conn.execute("SELECT pg_stat_statements_reset()")
+                self.statements.append({})
             k = 1
             while not self.stopping.wait(max(0.0, self.start_at + k * self.window - time.monotonic())):
                 row = conn.execute(
@@ -70,6 +91,8 @@ class Sampler(threading.Thread):
                 ).fetchone()
                 assert row is not None
                 self.samples.append({"mb": row[0] / 2**20, "dead": row[1], "live": row[2], "pin_sessions": row[3]})
+                if self.statements is not None:
+                    self.statements.append({r[0]: r[1:] for r in conn.execute(STATEMENTS)})
                 k += 1
 
 
@@ -89,7 +112,7 @@ def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace,
         stamps.write_text("")
         time.sleep(1.0)
         start = time.monotonic()
-        sampler = Sampler(driver.url, driver.schema, args.window, start)
+        sampler = Sampler(driver.url, driver.schema, args.window, start, statements=args.statements)
         sampler.start()
         sent_at: list[float] = []  # monotonic offset of each send
         i = 0
@@ -151,11 +174,89 @@ def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace,
     clean = sorted((float(b) - float(a)) * 1000 for a, b in lines if pin and float(a) - wall0 < pin[0])
     return {
         "windows": out,
+        "statements": by_statement(sampler.statements, out) if sampler.statements else None,
         "sent": total,
         "missing": missing,
         "ran_twice": len(lines) - len(started),
         "clean_p99_ms": percentile(clean, 99) if clean else None,
     }
+
+
+def own_server() -> Any:
+    """A server of this run's own (the machine's binaries, as benchmarks.statements starts one), fsync
+    on, pg_stat_statements loaded, with a database ``bench`` that has the extension."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_faults import OwnedServer
+
+    server = OwnedServer(
+        fsync="on", max_connections="100", shared_preload_libraries="pg_stat_statements",
+        **{"pg_stat_statements.track": "top"},
+    )  # fmt: skip
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE bench")
+    with psycopg.connect(server.url.rsplit("/", 1)[0] + "/bench", autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_stat_statements")
+    return server
+
+
+def by_statement(snapshots: list[dict[int, tuple]], windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per statement (the 10 with the most time under the pin), per window: calls per message sent,
+    mean milliseconds and shared buffers (hit or read) per call, buffers read from outside shared_buffers
+    per call.  What grows with the pin's length is what to look at (issue 41)."""
+    deltas: list[dict[int, tuple[int, float, int, int]]] = []
+    text: dict[int, str] = {}
+    for before, after in zip(snapshots, snapshots[1:], strict=False):
+        window = {}
+        for queryid, (calls, ms, blocks, read, query) in after.items():
+            b = before.get(queryid, (0, 0.0, 0, 0, ""))
+            window[queryid] = (calls - b[0], ms - b[1], blocks - b[2], read - b[3])
+            text[queryid] = query
+        deltas.append(window)
+    pinned = [d for d, w in zip(deltas, windows, strict=False) if w["pinned"]]
+    total = {q: sum(d.get(q, (0, 0.0))[1] for d in pinned) for q in text}
+    out = []
+    for queryid in sorted(total, key=lambda q: -total[q])[:10]:
+        per_window = []
+        for d, w in zip(deltas, windows, strict=False):
+            calls, ms, blocks, read = d.get(queryid, (0, 0.0, 0, 0))
+            sent = max(w["sent_per_s"] * (w["window"][1] - w["window"][0]), 1.0)
+            per_window.append(
+                {
+                    "calls_per_message": calls / sent,
+                    "ms_per_call": ms / calls if calls else None,
+                    "buffers_per_call": blocks / calls if calls else None,
+                    "read_per_call": read / calls if calls else None,
+                    "ms_per_message": ms / sent,
+                }
+            )
+        out.append({"query": text[queryid], "pinned_ms": total[queryid], "windows": per_window})
+    return out
+
+
+def report_statements(run: dict[str, Any]) -> None:
+    """The statements' trend: clean windows against the first and the last pinned ones and those after."""
+    ws = run["windows"]
+    marks = [k for k, w in enumerate(ws) if w["pinned"]]
+    if not run.get("statements") or not marks:
+        return
+    picks = [("clean", [k for k in range(marks[0])]), ("pin 1st", marks[:1]),
+             ("pin mid", [marks[len(marks) // 2]]), ("pin last", marks[-1:]),
+             ("after", list(range(marks[-1] + 1, len(ws))))]  # fmt: skip
+    print("\nstatements (pg_stat_statements), per call: mean ms / shared buffers (hit+read) / read; ms per message sent")
+    print(f"{'':<8}" + "".join(f"| {name:<28}" for name, _ in picks))
+    for st in run["statements"]:
+        cells = []
+        for _, ks in picks:
+            rows = [st["windows"][k] for k in ks if k < len(st["windows"]) and st["windows"][k]["ms_per_call"] is not None]
+            if not rows:
+                cells.append(f"| {'-':<28}")
+                continue
+            ms = sum(r["ms_per_call"] for r in rows) / len(rows)
+            blocks = sum(r["buffers_per_call"] for r in rows) / len(rows)
+            read = sum(r["read_per_call"] for r in rows) / len(rows)
+            per_msg = sum(r["ms_per_message"] for r in rows) / len(rows)
+            cells.append(f"| {ms:7.3f} {blocks:7.0f} {read:5.0f} {per_msg:6.3f} ")
+        print(f"{st['pinned_ms'] / 1000:7.1f}s" + "".join(cells) + f"  {st['query'][:70]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goal", action="store_true", help="the pinned soak alone: 200/s, 5 min clean, 30 min pinned, 5 after")
     parser.add_argument("--long", action="store_true", help="with --goal: the horizon pinned for 2 hours")
     parser.add_argument("--out", default="soak.json", help="file name under benchmarks/results")
+    parser.add_argument(
+        "--statements", action="store_true",
+        help="on a server of its own with pg_stat_statements: every statement's cost per window",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.goal:
         pinned_for = 120 if args.long else 30
@@ -177,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         args.pin = f"300:{300 + pinned_for * 60}"
     pin_from, pin_to = (float(x) for x in args.pin.split(":"))
     url = os.environ.get("BENCH_PG_URL") or apps.PG_URL
+    server = None
+    if args.statements:
+        server = own_server()
+        url = server.url.rsplit("/", 1)[0] + "/bench"
     runs = args.runs.split(",")
     out: dict[str, Any] = {"rate": args.rate, "window": args.window, "pin": [pin_from, pin_to]}
     out["load_start"] = os.getloadavg()
@@ -191,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             driver.close()
             driver.shutdown()
+            if server is not None:
+                server.close()
     out["load_end"] = os.getloadavg()
     report(out, runs)
     RESULTS.mkdir(exist_ok=True)
@@ -273,6 +384,7 @@ def report(out: dict[str, Any], runs: list[str]) -> None:
         if name == "pinned":
             for text in goals(r, (out["pin"][0], out["pin"][1])):
                 print(f"  {text}")
+            report_statements(r)
     print("* = the xmin was pinned during (part of) the window; sent and done a second (done: actor starts)")
     print(f"load average {out['load_start'][0]:.1f} -> {out['load_end'][0]:.1f}")
 
