@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -190,13 +191,49 @@ def own_server() -> Any:
 
     server = OwnedServer(
         fsync="on", max_connections="100", shared_preload_libraries="pg_stat_statements",
-        **{"pg_stat_statements.track": "top"},
+        log_autovacuum_min_duration="0", log_checkpoints="on", **{"pg_stat_statements.track": "top"},
     )  # fmt: skip
     with psycopg.connect(server.url, autocommit=True) as conn:
         conn.execute("CREATE DATABASE bench")
     with psycopg.connect(server.url.rsplit("/", 1)[0] + "/bench", autocommit=True) as conn:
         conn.execute("CREATE EXTENSION pg_stat_statements")
     return server
+
+
+def server_log(path: Path) -> dict[str, Any]:
+    """What the server's own work cost (--statements' server logs it): each autovacuum of a message
+    table (its elapsed and CPU seconds, pages scanned) and each checkpoint (buffers written, seconds)."""
+    vacuums, checkpoints = [], []
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for k, line in enumerate(lines):
+        if "automatic vacuum of table" in line and ".message\"" in line:
+            block = " ".join(lines[k : k + 12])
+            usage = re.search(r"CPU: user: ([\d.]+) s, system: ([\d.]+) s, elapsed: ([\d.]+) s", block)
+            pages = re.search(r"pages: \d+ removed, (\d+) remain, (\d+) scanned", block)
+            removable = re.search(r"tuples: (\d+) removed, (\d+) remain, (\d+) are dead but not yet removable", block)
+            vacuums.append(
+                {
+                    "at": line[:23],
+                    "cpu_s": float(usage[1]) + float(usage[2]) if usage else None,
+                    "elapsed_s": float(usage[3]) if usage else None,
+                    "pages_scanned": int(pages[2]) if pages else None,
+                    "dead_not_removable": int(removable[3]) if removable else None,
+                }
+            )
+        elif "checkpoint complete" in line:
+            written = re.search(r"wrote (\d+) buffers", line)
+            total = re.search(r"total=([\d.]+) s", line)
+            checkpoints.append(
+                {"at": line[:23], "buffers": int(written[1]) if written else None, "total_s": float(total[1]) if total else None}
+            )
+    return {"autovacuums": vacuums, "checkpoints": checkpoints}
+
+
+def report_server_log(log: dict[str, Any]) -> None:
+    print("\nautovacuum of the message table (server log): when, CPU s, elapsed s, pages scanned, dead not removable")
+    for v in log["autovacuums"]:
+        print(f"  {v['at']}  {v['cpu_s']}  {v['elapsed_s']}  {v['pages_scanned']}  {v['dead_not_removable']}")
+    print(f"checkpoints: {len(log['checkpoints'])}: " + ", ".join(f"{c['buffers']} buffers {c['total_s']} s" for c in log["checkpoints"]))
 
 
 def by_statement(snapshots: list[dict[int, tuple]], windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -301,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             driver.close()
             driver.shutdown()
             if server is not None:
+                out["server_log"] = server_log(Path(server.datadir) / "log")
                 server.close()
     out["load_end"] = os.getloadavg()
     report(out, runs)
@@ -387,6 +425,8 @@ def report(out: dict[str, Any], runs: list[str]) -> None:
             report_statements(r)
     print("* = the xmin was pinned during (part of) the window; sent and done a second (done: actor starts)")
     print(f"load average {out['load_start'][0]:.1f} -> {out['load_end'][0]:.1f}")
+    if out.get("server_log"):
+        report_server_log(out["server_log"])
 
 
 if __name__ == "__main__":
