@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if args.statements:
         server = own_server()
-        url = server.url.rsplit("/", 1)[0] + "/bench"
+        url = os.environ["BENCH_PG_URL"] = server.url.rsplit("/", 1)[0] + "/bench"  # apps.make_broker's too
     runs = args.runs.split(",")
     out: dict[str, Any] = {"rate": args.rate, "window": args.window, "pin": [pin_from, pin_to]}
     out["load_start"] = os.getloadavg()
