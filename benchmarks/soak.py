@@ -27,7 +27,8 @@ after the release; it ends with each goal's verdict, every pinned minute against
 the clean minutes before the pin (``goals``).
 
 With ``--statements`` it runs on a PostgreSQL server of its own with
-``pg_stat_statements`` loaded and prints, for the ten statements with the most
+``pg_stat_statements`` and ``auto_explain`` loaded (the plans of statements that took 100 ms or
+more: the first and last three are printed) and prints, for the ten statements with the most
 time under the pin, their mean time, shared buffers and reads per call in the
 clean minutes, the first, middle and last pinned ones and those after: which
 statement's cost grows with the pin.
@@ -190,8 +191,9 @@ def own_server() -> Any:
     from test_faults import OwnedServer
 
     server = OwnedServer(
-        fsync="on", max_connections="100", shared_preload_libraries="pg_stat_statements",
-        log_autovacuum_min_duration="0", log_checkpoints="on", **{"pg_stat_statements.track": "top"},
+        fsync="on", max_connections="100", shared_preload_libraries="pg_stat_statements,auto_explain",
+        log_autovacuum_min_duration="0", log_checkpoints="on",
+        **{"pg_stat_statements.track": "top", "auto_explain.log_min_duration": "100"},
     )  # fmt: skip
     with psycopg.connect(server.url, autocommit=True) as conn:
         conn.execute("CREATE DATABASE bench")
@@ -226,7 +228,15 @@ def server_log(path: Path) -> dict[str, Any]:
             checkpoints.append(
                 {"at": line[:23], "buffers": int(written[1]) if written else None, "total_s": float(total[1]) if total else None}
             )
-    return {"autovacuums": vacuums, "checkpoints": checkpoints}
+    # The plans of statements that took 100 ms or more (auto_explain): the first and the last few.
+    starts = [k for k, line in enumerate(lines) if "plan:" in line and "duration:" in line]
+    plans = []
+    for k in starts:
+        end = k + 1
+        while end < len(lines) and lines[end].startswith("\t") and end - k < 60:
+            end += 1  # the plan's lines (continuations of the log entry)
+        plans.append("\n".join(lines[k:end]))
+    return {"autovacuums": vacuums, "checkpoints": checkpoints, "slow_plans": plans[:3] + plans[3:][-3:]}
 
 
 def report_server_log(log: dict[str, Any]) -> None:
@@ -234,6 +244,8 @@ def report_server_log(log: dict[str, Any]) -> None:
     for v in log["autovacuums"]:
         print(f"  {v['at']}  {v['cpu_s']}  {v['elapsed_s']}  {v['pages_scanned']}  {v['dead_not_removable']}")
     print(f"checkpoints: {len(log['checkpoints'])}: " + ", ".join(f"{c['buffers']} buffers {c['total_s']} s" for c in log["checkpoints"]))
+    for plan in log.get("slow_plans", []):
+        print("\nslow statement (auto_explain, 100 ms or more):\n" + plan)
 
 
 def by_statement(snapshots: list[dict[int, tuple]], windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
