@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -49,7 +48,7 @@ from typing import Any
 
 import psycopg
 
-from benchmarks import apps
+from benchmarks import apps, statements
 from benchmarks.run import RESULTS, Plan, PostgresDriver, Workers, log, percentile, wait_until
 
 PLAN = Plan("soak", 1, 0, 0, 0.0, 0, 0.0, 0, 0, 5_000, 1)
@@ -184,24 +183,6 @@ def soak(driver: PostgresDriver, tmp: Path, name: str, args: argparse.Namespace,
     }
 
 
-def own_server() -> Any:
-    """A server of this run's own (the machine's binaries, as benchmarks.statements starts one), fsync
-    on, pg_stat_statements loaded, with a database ``bench`` that has the extension."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_faults import OwnedServer
-
-    server = OwnedServer(
-        fsync="on", max_connections="100", shared_preload_libraries="pg_stat_statements,auto_explain",
-        log_autovacuum_min_duration="0", log_checkpoints="on",
-        **{"pg_stat_statements.track": "top", "auto_explain.log_min_duration": "100"},
-    )  # fmt: skip
-    with psycopg.connect(server.url, autocommit=True) as conn:
-        conn.execute("CREATE DATABASE bench")
-    with psycopg.connect(server.url.rsplit("/", 1)[0] + "/bench", autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION pg_stat_statements")
-    return server
-
-
 def server_log(path: Path) -> dict[str, Any]:
     """What the server's own work cost (--statements' server logs it): each autovacuum of a message
     table (its elapsed and CPU seconds, pages scanned) and each checkpoint (buffers written, seconds)."""
@@ -288,7 +269,7 @@ def report_statements(run: dict[str, Any]) -> None:
     marks = [k for k, w in enumerate(ws) if w["pinned"]]
     if not run.get("statements") or not marks:
         return
-    picks = [("clean", [k for k in range(marks[0])]), ("pin 1st", marks[:1]),
+    picks = [("clean", list(range(marks[0]))), ("pin 1st", marks[:1]),
              ("pin mid", [marks[len(marks) // 2]]), ("pin last", marks[-1:]),
              ("after", list(range(marks[-1] + 1, len(ws))))]  # fmt: skip
     print("\nstatements (pg_stat_statements), per call: mean ms / shared buffers (hit+read) / read; ms per message sent")
@@ -333,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     url = os.environ.get("BENCH_PG_URL") or apps.PG_URL
     server = None
     if args.statements:
-        server = own_server()
-        url = os.environ["BENCH_PG_URL"] = server.url.rsplit("/", 1)[0] + "/bench"  # apps.make_broker's too
+        server, url = statements.own_server(
+            shared_preload_libraries="pg_stat_statements,auto_explain",
+            log_autovacuum_min_duration="0", log_checkpoints="on",
+            **{"pg_stat_statements.track": "top", "auto_explain.log_min_duration": "100"},
+        )  # fmt: skip
+        os.environ["BENCH_PG_URL"] = url  # apps.make_broker's too
     runs = args.runs.split(",")
     out: dict[str, Any] = {"rate": args.rate, "window": args.window, "pin": [pin_from, pin_to]}
     out["load_start"] = os.getloadavg()

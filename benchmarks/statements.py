@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from dramatiq.message import Message
@@ -46,6 +47,24 @@ def cpu_by_process(match: bytes) -> dict[str, float]:
     return seconds
 
 
+def own_server(**settings: str) -> tuple[Any, str]:
+    """A PostgreSQL server of the run's own (tests/test_faults.py's ``OwnedServer``: the machine's
+    binaries, a temporary folder), fsync on, ``pg_stat_statements`` loaded, with a database ``bench``
+    that has the extension: (the server, the database's URL).  *settings* add to or override these."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_faults import OwnedServer
+
+    server = OwnedServer(
+        **{"fsync": "on", "max_connections": "100", "shared_preload_libraries": "pg_stat_statements", **settings}
+    )
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE bench")
+    url = server.url.rsplit("/", 1)[0] + "/bench"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_stat_statements")
+    return server, url
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=10_000)
@@ -56,22 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         help="drain a fair queue instead (benchmarks.fair_workers' actor), its messages spread over KEYS keys",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_faults import OwnedServer
-
     from benchmarks import apps
     from dramatiq_pg_fenced import PostgresBroker
 
-    server = OwnedServer(
-        fsync="on",
-        max_connections="100",
-        shared_preload_libraries="pg_stat_statements",
-        **{"pg_stat_statements.track": "all", "pg_stat_statements.track_planning": "on"},
-    )
+    server, url = own_server(**{"pg_stat_statements.track": "all", "pg_stat_statements.track_planning": "on"})
     try:
-        with psycopg.connect(server.url, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE bench")
-        url = server.url.rsplit("/", 1)[0] + "/bench"
         broker = PostgresBroker(url, schema="bench")
         broker.migrate()
         env = {**os.environ, "BENCH_BROKER": "postgres", "BENCH_PG_URL": url, "BENCH_PG_SCHEMA": "bench"}
@@ -91,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(args.messages)])
         broker.close()
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             conn.execute("VACUUM ANALYZE bench.message")
             conn.execute("SELECT pg_stat_statements_reset()")
             before, started = cpu_by_process(b"postgres"), time.monotonic()
