@@ -4,12 +4,17 @@ Another session holds a ``REPEATABLE READ`` snapshot open, idle in its transacti
 version deleted or updated after it may be vacuumed, nor its index entries marked dead: every
 message sent, claimed, extended and acked since then leaves its old versions in the table and
 their entries in every index.  Each statement of the hot paths is run with ``EXPLAIN (ANALYZE,
-BUFFERS, FORMAT JSON)`` (in a transaction rolled back) over the same few live rows, once before
-any dead row, once after ``N`` such message lives and once after ``5 N``: the shared buffers its
-scans touched (hit + read) must not grow past a small slack (a write's own cost, new versions into
-heap and indexes, is a matter of tree depth and free space: see :func:`_reads`).  A statement whose plan walks the dead entries (a range that takes in
-every old lease, a join that scans a whole index for a list of ids) reads about five times as
-many buffers the second time.  Buffers are counted, not timed.
+BUFFERS, FORMAT JSON)`` (in a transaction rolled back) over a few live rows, once before any dead
+row, once after ``N`` such message lives and once after ``5 N``: from ``N`` to ``5 N`` the shared
+buffers its scans touched (hit + read) must not grow past a small slack (a write's own cost, new
+versions into heap and indexes, is a matter of tree depth and free space: see :func:`_reads`).  A
+statement whose plan walks the dead entries (a range that takes in every old lease, a join that
+scans a whole index for a list of ids) reads about five times as many buffers the second time.
+Buffers are counted, not timed.
+
+Before each measure the table is analyzed with no live row in it, as autovacuum finds a queue that
+keeps up: the planner then believes the table empty, and a plan that is safe only with the
+statistics of a few live rows shows here (the rescue's did not, until a soak found it).
 
 The message lives are written in bulk with SQL, as the broker's own statements would leave them:
 inserted queued (an entry in the claim index), claimed (running, a token, a lease: an entry in the
@@ -65,6 +70,9 @@ STILL_GROWING = {
     " and a connection of its own, once per floor.FULL_LOOK_BACK_EVERY: the claims do not wait for it",
     "relay_look": "the queued rows of the outbox's queues in seq order, by the claim index: its dead entries too",
     "relay_waiting": "a count over the same entries: a count of a range visits every entry in it",
+    "relay_take": "the ids relay_look found, taken: with the statistics of an empty table the planner walks the"
+    " claim index of those queues (state 'queued', queue_name) for them rather than probe the primary key;"
+    " once per batch relay_look found, on the relay's thread, as relay_look itself",
 }
 
 
@@ -121,6 +129,10 @@ class Live:
         ).fetchall()
         self.ids = [r[0] for r in rows]
         self.deliveries = [r[1] for r in rows]
+        #: The queued ones and their versions (the relay's look reads them so).
+        self.queued = conn.execute(
+            sql.SQL("SELECT message_id, xmin::text FROM {}.message WHERE state = 'queued' ORDER BY seq").format(s)
+        ).fetchall()
 
 
 def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, Any]]:
@@ -135,7 +147,7 @@ def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, An
     head = {"from_priority": HEAD[0], "from_at": HEAD[1], "from_seq": HEAD[2], "channel": "", "took": None}
     claim = {"queue": "q", "limit": 5, "lease": 30, "consumer": "c", **head}
     named = {"ids": ids, "deliveries": tokens, "writer": "w"}
-    return {
+    statements = {
         # the claim (from the head: a consumer that knows no floor), and the next due row
         "claim": (st.claim, claim),
         "claim_relaxed": (st.claim_relaxed, claim),
@@ -182,7 +194,22 @@ def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, An
         # the relay of a routed broker
         "relay_look": (st.relay_look, {"queues": ["q"], "limit": 100}),
         "relay_waiting": (st.relay_waiting, [["q"]]),
+        "relay_take": (
+            st.relay_take,
+            {"ids": [r[0] for r in live.queued], "versions": [r[1] for r in live.queued], "queues": ["q"]},
+        ),
+        # an operator's cancel of a queued message
+        "cancel": (st.cancel, {"id": live.queued[0][0], "seq": None, "channel": ""}),
     }
+    # The variants run while history is kept (keep_finished > 0, the default): the same with the
+    # attempt log's insert, whose CTEs read the rows again (a plan of their own).
+    for name in ("nack", "retry", "requeue", "release_unseen", "rescue"):
+        text, params = statements[name]
+        statements[f"{name}_logged"] = (getattr(st, f"{name}_logged"), params)
+    for name in ("committed_done", "finish_committed"):
+        text, params = statements[name]
+        statements[f"{name}_keep"] = (getattr(st, f"{name}_keep"), params)
+    return statements
 
 
 #: Plan nodes that read a table or an index: their buffers (children included: a bitmap heap scan's
@@ -253,30 +280,47 @@ PLANS: dict[str, list[str]] = {}
 
 def measure(broker: PostgresBroker, url: str, pin: Callable[[], None]) -> dict[str, list[int]]:
     """Buffers per statement under the pin: with no dead row yet, at FIRST and at SECOND message lives."""
+    schema = broker.schema
+    table_schema = sql.Identifier(schema)
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER TABLE {}.message SET (autovacuum_enabled = off)").format(sql.Identifier(broker.schema))
-        )
+        conn.execute(sql.SQL("ALTER TABLE {}.message SET (autovacuum_enabled = off)").format(table_schema))
         # Lives vacuumed away before the pin: the indexes as deep as the dead entries will make them
         # (a probe one level deeper is not a walk of the dead), none of their entries left.
-        _lives(conn, broker.schema, SECOND)
-        live = Live(conn, broker.schema)
-        conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(sql.Identifier(broker.schema)))
+        _lives(conn, schema, SECOND)
+        conn.execute(sql.SQL("VACUUM {}.message").format(table_schema))
         pin()
-        statements = _statements(broker, live)
         PLANS.clear()
-        measured: dict[str, list[int]] = {name: [] for name in statements}
+        measured: dict[str, list[int]] = {}
         for lives in (0, FIRST, SECOND - FIRST):
-            _lives(conn, broker.schema, lives)
+            # The live rows of the round before go (dead lives too, kept by the pin), then this round's lives.
+            conn.execute(sql.SQL("DELETE FROM {}.message WHERE actor_name = 'live'").format(table_schema))
+            _lives(conn, schema, lives)
             # The measured writes of the round before, rolled back, left aborted versions of the live rows
             # (a HOT chain, index entries: a probe of a live row follows them all): a vacuum takes them
             # away, even under the pin, and leaves the dead lives (deleted after the pin) where they are.
             # Each round starts from as many of its own as the one before (a CI pass saw the extend 74,
             # 74, 289: rows of its own and not of the dead lives).
-            conn.execute(sql.SQL("VACUUM {}.message").format(sql.Identifier(broker.schema)))
-            for name, (text, params) in statements.items():
-                measured[name].append(_buffers(conn, text, params, PLANS.setdefault(name, [])))
+            conn.execute(sql.SQL("VACUUM {}.message").format(table_schema))
+            # The statistics autovacuum's analyze leaves under a pin at a moment the queue is empty (a
+            # queue that keeps up): no live row (reltuples 0) in as many pages as the dead versions fill.
+            # The planner then prices a probe of an index by its pages per live row, and a walk of a
+            # whole index at nearly nothing: the rescue's update, joined to its expired rows, walked every
+            # dead entry of the primary key at each pass in a soak (issue 41) with these, and probed with
+            # the statistics of a few live rows.
+            conn.execute(sql.SQL("ANALYZE {}.message").format(table_schema))
+            live = Live(conn, schema)
+            for name, (text, params) in _statements(broker, live).items():
+                measured.setdefault(name, []).append(_buffers(conn, text, params, PLANS.setdefault(name, [])))
     return measured
+
+
+def _grew(n: list[int]) -> bool:
+    """Did the buffers *n* (at 0, FIRST and SECOND dead lives) grow with the dead lives?  From FIRST to
+    SECOND (five times as many): a walk of the dead entries reads about five times as many.  The first
+    measure is shown, not compared: on a table of a page or two the planner reads that page where it
+    probes the primary key once the dead versions fill hundreds (7 buffers, then 125 for 60 ids, at
+    FIRST as at SECOND: no walk)."""
+    return n[2] > n[1] + SLACK + SLACK_RATIO * n[1]
 
 
 @pytest.fixture
@@ -307,11 +351,7 @@ def test_no_hot_statement_reads_more_buffers_as_dead_rows_pile_up_under_a_pinned
     finally:
         broker.close()
     report = "\n".join(f"{name:20} {a:7} {b:7} {c:7}" for name, (a, b, c) in measured.items())
-    grown = {
-        name: n
-        for name, n in measured.items()
-        if max(n[1:]) > n[0] + SLACK + SLACK_RATIO * n[0] and name not in STILL_GROWING
-    }
+    grown = {name: n for name, n in measured.items() if _grew(n) and name not in STILL_GROWING}
     plans = "\n".join(f"-- {name}, at 0 and {SECOND} dead lives:\n{PLANS[name][0]}\n{PLANS[name][-1]}" for name in grown)
     assert not grown, f"buffers grew with dead rows (at 0, {FIRST} and {SECOND} dead lives): {grown}\n{report}\n{plans}"
 

@@ -124,13 +124,15 @@ def _rescue(*, logged: bool) -> str:
             UPDATE {{schema}}.message AS m
                SET {_LOST}
               FROM expired
-             WHERE m.message_id = expired.message_id AND expired.state = 'running'
+             WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM expired WHERE state = 'running'))
+               AND m.message_id = expired.message_id AND expired.state = 'running'
             RETURNING m.message_id, m.queue_name, m.attempt, m.state{", m.last_error" if logged else ""}
         ), gone AS (
             UPDATE {{schema}}.message AS m
                SET lease_expires_at = NULL, delivery = NULL
               FROM expired
-             WHERE m.message_id = expired.message_id AND expired.state = 'cancelled'
+             WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM expired WHERE state = 'cancelled'))
+               AND m.message_id = expired.message_id AND expired.state = 'cancelled'
             RETURNING m.message_id, m.queue_name
         ),{log if logged else ""} counted AS (
             INSERT INTO {{schema}}.counter AS c (name, value)
@@ -244,7 +246,7 @@ TEMPLATES: dict[str, str] = {
            SET state = 'cancelled', finished_at = now(),
                lease_expires_at = CASE WHEN old.state = 'running' THEN m.lease_expires_at END
           FROM old
-         WHERE m.message_id = old.message_id AND old.state IN ('queued', 'running')
+         WHERE m.message_id = %(id)s AND m.message_id = old.message_id AND old.state IN ('queued', 'running')
         RETURNING old.state, old.attempt,
                   CASE WHEN old.state = 'running'
                        THEN pg_notify(%(channel)s, '!cancel ' || m.message_id::text) END,
@@ -263,7 +265,7 @@ TEMPLATES: dict[str, str] = {
                FOR UPDATE OF m SKIP LOCKED
         )
         UPDATE {{schema}}.message AS m SET lease_expires_at = now() + %(lease)s * interval '1 second'
-          FROM mine WHERE m.message_id = mine.message_id
+          FROM mine WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM mine)) AND m.message_id = mine.message_id
         RETURNING m.message_id
     """,
     # A cancelled delivery ended (its outcome fenced out, refused at the start
@@ -276,7 +278,7 @@ TEMPLATES: dict[str, str] = {
                FOR UPDATE OF m SKIP LOCKED
         )
         UPDATE {{schema}}.message AS m SET lease_expires_at = NULL
-          FROM mine WHERE m.message_id = mine.message_id
+          FROM mine WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM mine)) AND m.message_id = mine.message_id
     """,
     # Of these messages, the cancelled ones whose actor still runs, where and since when.
     "still_running": f"""

@@ -114,14 +114,16 @@ def version(alias: str) -> str:
     return f"({alias}.seq::text || '.' || {alias}.xmin::text)"
 
 
-#: Every statement that joins message rows to a list of ids also says
-#: ``message_id = ANY(those ids)``: an index condition on the primary key
+#: Every statement that joins message rows to a list of ids (an unnest, or the
+#: rows of a CTE: the rescue's expired, the cancel watch's mine, the relay's
+#: taken) also says ``message_id = ANY(those ids)``: an index condition on the primary key
 #: whatever the join order.  A hot queue's table is near empty whenever
 #: (auto)analyze looks, and with such statistics the planner otherwise
 #: liked a full scan of an index as the outer side of the join (all of the
 #: primary key, or of the lease index), which is cheap until another
 #: session's old snapshot keeps every dead entry in it (50-85 ms per ack
-#: and per claim after two minutes at 300 messages/s).  _BY_IDS: for a CTE o.
+#: and per claim after two minutes at 300 messages/s; the rescue's periodic
+#: pass 716 ms after eleven minutes at 200/s).  _BY_IDS: for a CTE o.
 _BY_IDS = "m.message_id = ANY(ARRAY(SELECT o.id FROM o))"
 
 #: The logged variants' pre-image (attempt log, migration 023): the consumer of each row of ``o`` still

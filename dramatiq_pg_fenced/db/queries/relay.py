@@ -70,7 +70,8 @@ TEMPLATES.update(
                    AND m.queue_name = ANY(%(queues)s::text[])
                  ORDER BY m.seq FOR UPDATE OF m SKIP LOCKED
             )
-            DELETE FROM {schema}.message AS m USING taken WHERE m.message_id = taken.message_id
+            DELETE FROM {schema}.message AS m USING taken
+             WHERE m.message_id = ANY(ARRAY(SELECT message_id FROM taken)) AND m.message_id = taken.message_id
             RETURNING m.message_id, m.queue_name, m.actor_name, m.priority,
                       greatest(0, ceil(extract(epoch FROM m.available_at - now()) * 1000))::bigint,
                       m.payload, m.unique_key, m.unique_until, m.seq,
