@@ -180,15 +180,51 @@ class RoutedModel(RuleBasedStateMachine):
             m.db == db and m.queue == queue and m.state == "queued" for m in self.msgs.values()
         )
 
-    def _claim(self, proc: Proc, queue: str) -> Held | None:
+    def _due_from(self, db: str, queue: str, start: tuple) -> int:
+        """Due rows of *queue* in *db* that sort at or after *start* in the claim index."""
+        return self._q(
+            db,
+            "SELECT count(*) FROM {schema}.message WHERE queue_name = %(queue)s AND state = 'queued'"
+            " AND available_at <= now() AND (priority, available_at, seq) >= (%(p)s::int, %(at)s::timestamptz, %(seq)s::bigint)",
+            {"queue": queue, "p": start[0], "at": start[1], "seq": start[2]},
+        )[0][0]
+
+    def _claim(self, proc: Proc, queue: str, from_floor: bool = False) -> Held | None:
+        """A claim of *proc*'s consumer of *queue*: from the head (its floor forgotten), or, *from_floor*,
+        from where its floor says (floor.py: the floor, or the head or the window at a look back)."""
         consumer, db = proc.consumers[queue], proc.router.database_of(queue)
         proxy = None
-        for _ in range(5):
-            consumer.floor.forget()
-            consumer.wake.set()
-            proxy = next(consumer)
-            if proxy is not None or not self._claimable(db, queue):
-                break
+        starts: list[tuple] = []
+        if from_floor:
+            real_start = consumer.floor.start
+
+            def start() -> tuple:
+                starts.append(where := real_start())
+                return where
+
+            consumer.floor.start = start  # type: ignore[method-assign]
+        try:
+            for _ in range(5):
+                if not from_floor:
+                    consumer.floor.forget()
+                consumer.wake.set()
+                proxy = next(consumer)
+                if proxy is not None or not self._claimable(db, queue) or (from_floor and starts):
+                    break
+        finally:
+            if from_floor:
+                del consumer.floor.start
+        if from_floor and proxy is None:
+            # From its start, the first due row or none: none only where no due row lies at or after it
+            # (a relayed row, a row moved by move_queue, one put back: each where the fence puts it).
+            room = proc.router.shard(queue).parts.leases.capacity(queue, 1) > 0
+            if room and (db, queue) not in self.paused:
+                for where in starts:
+                    assert self._due_from(db, queue, where) == 0, (
+                        f"a claim of {queue!r} in {db!r} from its floor found nothing where a due row is at or"
+                        f" after its start {where}"
+                    )
+            return None
         if proxy is None:
             room = proc.router.shard(queue).parts.leases.capacity(queue, 1) > 0  # prefetch=1: one at a time
             assert not room or not self._claimable(db, queue), f"a due message of queue {queue!r} in {db!r} is claimed"
@@ -251,6 +287,14 @@ class RoutedModel(RuleBasedStateMachine):
     def claim(self, which: int, queues: list[str]) -> None:
         proc = self.procs[which % len(self.procs)]
         self.held += [held for q in queues if (held := self._claim(proc, q)) is not None]
+
+    @rule(which=PROC, queue=QUEUE)
+    def claim_from_the_floor(self, which: int, queue: str) -> None:
+        """A consumer claims as it does between look backs: from its floor (test_model.py checks the
+        floor's rules in one database; here, what relays, moves and rescues put in each)."""
+        proc = self.procs[which % len(self.procs)]
+        if (held := self._claim(proc, queue, from_floor=True)) is not None:
+            self.held.append(held)
 
     def _deliver(self, held: Held, kind: str, tied: list[str], outbox: str | None, follow_up: str | None,
                  fenced: str | None = None, send_to: str | None = None, outlive: int | None = None,
