@@ -84,6 +84,7 @@ class Sampler(threading.Thread):
             while not self.stopping.wait(max(0.0, self.start_at + k * self.window - time.monotonic())):
                 row = conn.execute(
                     "SELECT pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),"
+                    "       pg_relation_size(c.oid),"
                     "       (SELECT count(*) FROM pg_stat_activity WHERE backend_xmin IS NOT NULL"
                     "          AND application_name = 'bench-soak-pin')"
                     "  FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
@@ -91,7 +92,9 @@ class Sampler(threading.Thread):
                     [table],
                 ).fetchone()
                 assert row is not None
-                self.samples.append({"mb": row[0] / 2**20, "dead": row[1], "live": row[2], "pin_sessions": row[3]})
+                self.samples.append(
+                    {"mb": row[0] / 2**20, "dead": row[1], "live": row[2], "heap_mb": row[3] / 2**20, "pin_sessions": row[4]}
+                )
                 if self.statements is not None:
                     self.statements.append({r[0]: r[1:] for r in conn.execute(STATEMENTS)})
                 k += 1
@@ -388,6 +391,8 @@ def goals(run: dict[str, Any], pin: tuple[float, float]) -> list[str]:
     if after:
         sizes = f"size {clean[-1].get('mb', 0):.1f} MB before the pin, {max(w.get('mb', 0) for w in pinned):.1f} at most "
         sizes += f"under it, {after[-1].get('mb', 0):.1f} at the end"
+        if "heap_mb" in after[-1]:  # (runs before 2026-12-07's evening did not sample the heap alone)
+            sizes += f" (the heap {clean[-1]['heap_mb']:.1f} MB before the pin, {after[-1]['heap_mb']:.1f} at the end; the rest indexes)"
         if back is not None:
             lines.append(f"dead tuples back to the clean level ({dead_clean:,}) by {back['window'][1] - pin[1]:.0f} s after the release; {sizes}")
         else:
