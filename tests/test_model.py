@@ -118,7 +118,7 @@ from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.config import DEFAULT_MAX_DELIVERIES
-from dramatiq_pg_fenced.core import delivery
+from dramatiq_pg_fenced.core import delivery, turns
 from dramatiq_pg_fenced.core import floor as floor_module
 from dramatiq_pg_fenced.core.consumer import with_limit
 from dramatiq_pg_fenced.core.delivery import PostgresMessageProxy
@@ -873,6 +873,17 @@ class FenceModel(RuleBasedStateMachine):
                 row.current = None
             row.lease = False
 
+    @rule(index=st.sampled_from(["message_pkey", "message_claim_idx", "message_lease_idx"]))
+    def reindex_concurrently(self, index: str) -> None:
+        """An index of the message table (the primary key, the claim's, the leases') rebuilt by the reindex
+        chore on its thread (``REINDEX CONCURRENTLY``), beside the steps that follow: the rows, leases
+        and tokens stay as the model has them while claims and outcomes go on through the old index and
+        the new.  (It waits for every transaction older than each of its phases: a turns door's waiter
+        for up to its patience.)  One process's chore: two rebuilds of one table at once deadlock (each
+        waits for the other's snapshot), and only the process on duty checks.  The example's end waits
+        for it."""
+        self.brokers[0].parts.maintenance.reindexer.start(frozenset([index]))
+
     # -- operators ---------------------------------------------------------------------------------
     def _cancel(self, broker: PostgresBroker, message_id: str) -> bool:
         outcome = broker.cancel(message_id).value
@@ -1138,6 +1149,8 @@ class FenceModel(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for broker in getattr(self, "brokers", []):
+            broker.parts.maintenance.reindexer.join(120)
+        for broker in getattr(self, "brokers", []):
             broker.close()
         if hasattr(self, "outbox"):
             self.outbox.close()
@@ -1304,9 +1317,14 @@ class FairFencedTransactionModel(Fair, FencedTransactionModel):
     ids=["fence", "fenced_transaction", "fair", "fair_fenced_transaction"],
 )
 def test_the_fence_against_a_reference_model(
-    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, model: type[FenceModel]
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, model: type[FenceModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hypothesis.stateful import run_state_machine_as_test
+
+    # A turns door's waiter (a LISTEN connection waiting for the door, turns.py) runs one statement for up
+    # to twice this, and a REINDEX CONCURRENTLY (reindex_concurrently) waits for it at each phase: short
+    # here, so that a rebuild takes a moment, not seconds.
+    monkeypatch.setattr(turns, "REFRESH_EVERY", 0.25)
 
     model.factory = staticmethod(dramatiq_pg_broker_factory)  # type: ignore[assignment]
     model.url = dramatiq_pg_url
@@ -1454,3 +1472,43 @@ def test_the_result_of_a_message_sent_again_under_its_id_replaces_the_earlier_on
     assert broker.flush_outcomes(10)
     assert broker.inspect(again.message_id)["history"][0]["attempt"] == 1  # its ack applied
     assert backend.get_result(again.message) == "second incarnation"  # "first incarnation"
+
+
+def test_a_cancelled_deliverys_end_is_logged_once_though_two_of_its_writes_miss(
+    dramatiq_pg_broker_factory: Factory, dramatiq_pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps the model found (2026-12-07): a message redelivered, then cancelled while its second
+    delivery runs; that delivery's fenced block commits and its actor raises (its nack refused: the
+    message is cancelled), then an ack of it is written again after a broken commit.  Both writes find
+    the row still naming the delivery; the attempt log held its 'cancelled' end twice ("one row per
+    delivery that held its message").  Fixed: ``attempt_ended`` logs a delivery's 'cancelled' end once."""
+    monkeypatch.setattr(turns, "REFRESH_EVERY", 0.25)
+    FenceModel.factory = staticmethod(dramatiq_pg_broker_factory)  # type: ignore[assignment]
+    FenceModel.url = dramatiq_pg_url
+    state = FenceModel()
+    checks = [
+        state.attempts_logged_only_by_their_holder,
+        state.database_matches_the_model,
+        state.effects_only_from_applied_deliveries,
+        state.fenced_writes_exactly_once,
+        state.results_of_applied_outcomes_only,
+    ]
+    steps: list[Callable[[], None]] = [
+        state.start,
+        lambda: state.claim(which=[0]),
+        lambda: state.pause(which=0),
+        lambda: state.send_unique(key="k1", until="started"),
+        lambda: state.resume(which=0),
+        lambda: state.redeliver_elsewhere(pick=0, rescuer=0, which=0),
+        lambda: state.cancel(pick=0),
+        lambda: state.cancel(pick=0),
+        lambda: state.fenced(fenced="commit", follow_up=False, pick=0, rescue_inside=None, then="nack", which=0),
+        lambda: state.ack_at_broken_commit(pick=0, tied=0, which=0),
+    ]
+    try:
+        for step in steps:
+            step()
+            for check in checks:
+                check()
+    finally:
+        state.teardown()

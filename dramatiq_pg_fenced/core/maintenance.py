@@ -19,6 +19,9 @@ LISTEN connection down, or ``listen=False``).
   table (not its owner) leaves it to autovacuum, and says so once.
 - **Purge**, once a minute: dead letters and cancellations older than
   ``dead_message_ttl``, and outcome tallies older than two hours.
+- **Reindex**, checked every ``reindex.CHECK_EVERY`` by the process on duty, on a thread and a
+  connection of its own: an index of the message table bloated by a pinned horizon that has ended
+  is rebuilt with ``REINDEX CONCURRENTLY`` (see :mod:`.reindex`).
 - **Heartbeat**, every ``processes.HEARTBEAT_SECONDS`` while a worker runs in
   this process: its row in ``process``, on a connection of the pool, as the rescue
   (see :mod:`.processes`); the purge deletes the rows of processes gone for an hour.
@@ -52,7 +55,7 @@ from ..config import Settings
 from ..db.database import Database
 from ..db.doorbell import look_back
 from ..db.statements import Statements
-from . import samples
+from . import reindex, samples
 from .fencing import State
 from .leases import Leases
 from .periodic import Periodic
@@ -130,6 +133,8 @@ class Maintenance(Periodic):
         self._vacuumed_at_claims = 0
         self._last_vacuum = 0.0
         self._may_vacuum: bool | None = None
+        self.reindexer = reindex.Reindexer(database, statements, settings.schema, logger)
+        self._last_reindex = time.monotonic()  # the first check a period after the start
 
     def next_wait(self) -> float:
         """The interval, on the grid of the process's chores (turns.py): a rescue never falls on one
@@ -168,6 +173,11 @@ class Maintenance(Periodic):
         if time.monotonic() - self._last_purge > PURGE_EVERY and self._mine("purge", PURGE_EVERY):
             self._last_purge = time.monotonic()
             self.purge()
+        every = self.reindexer.every()
+        if time.monotonic() - self._last_reindex > every and self._mine("reindex", every):
+            self._last_reindex = time.monotonic()
+            if self.may_vacuum():  # the same privileges: the table's owner (or MAINTAIN)
+                self.reindexer.start()
         if time.monotonic() - self._last_history_purge > HISTORY_PURGE_EVERY and (
             self._history_behind or self._mine("history", HISTORY_PURGE_EVERY)
         ):
@@ -251,7 +261,8 @@ class Maintenance(Periodic):
             if not self._may_vacuum:
                 self.logger.info(
                     "This database role may not VACUUM %s.message; workers leave it to autovacuum "
-                    "(a long backlog's claims may slow down between its runs).",
+                    "(a long backlog's claims may slow down between its runs) and do not rebuild its indexes "
+                    "when a long transaction elsewhere has bloated them (core/reindex.py).",
                     self.settings.schema,
                 )
         return self._may_vacuum

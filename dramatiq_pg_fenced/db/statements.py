@@ -157,8 +157,8 @@ _TEMPLATES: dict[str, str] = {
     **results.TEMPLATES,
 }
 #: The modules of ``queries/`` whose statements a worker never runs (the relay's, the schedules', the
-#: operators' search, charts' timings and health): imported when one of their statements is first read.
-_LATER = ("relay", "schedules", "search", "timings", "health")
+#: operators' search, charts' timings and health), or rarely (the reindex chore's): imported when one of their statements is first read.
+_LATER = ("relay", "schedules", "search", "timings", "health", "reindex")
 
 
 @cache
@@ -274,6 +274,8 @@ class Statements:
     compact: bytes
     file_node: bytes
     may_vacuum: bytes
+    reindex_indexes: bytes
+    reindex_old_transactions: bytes
     cancel_lock_timeout: bytes
     state_of: bytes
     held_among: bytes

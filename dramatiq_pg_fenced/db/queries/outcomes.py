@@ -200,7 +200,8 @@ TEMPLATES.update(
         # keep_finished > 0, and only when a write missed: nothing on an outcome that applied): a stale
         # delivery's ('fenced out': the process that wrote it as its consumer, its claim unknown), or
         # the end of a delivery whose message was cancelled while it ran ('cancelled': its row still
-        # names it, with its consumer and claim).
+        # names it, with its consumer and claim), once: a second write of that delivery (its nack after
+        # its fenced block's, a write tried again) finds the row naming it still, and is not logged again.
         "attempt_ended": f"""{_ATTEMPT_LOG}
             SELECT o.id, m.seq, o.attempt, o.delivery, coalesce(m.queue_name, nullif(o.queue, '')),
                    coalesce(m.consumer_id, %(process)s), m.claimed_at, now(), o.outcome, o.error
@@ -208,6 +209,9 @@ TEMPLATES.update(
                           %(outcomes)s::text[], %(errors)s::text[]) AS o(id, delivery, attempt, queue, outcome, error)
               LEFT JOIN {{schema}}.message AS m
                 ON m.message_id = o.id AND m.delivery = o.delivery AND o.outcome = 'cancelled'
+             WHERE o.outcome <> 'cancelled'
+                OR NOT EXISTS (SELECT FROM {{schema}}.attempt_log AS a
+                                WHERE a.message_id = o.id AND a.delivery = o.delivery AND a.outcome = 'cancelled')
         """,
     }
 )
