@@ -157,7 +157,7 @@ def test_a_worker_consuming_loads_only_what_a_worker_needs(
 def test_a_statement_is_bound_when_first_read_and_a_worker_never_loads_the_others() -> None:
     """Given the statements of a schema, I expect none bound until read, each bound as it is first read,
     and the templates a worker never runs (the relay's, the schedules', the operators' search, charts'
-    timings and health) imported only when one of them is read."""
+    timings and health) or rarely (the reindex chore's) imported only when one of them is read."""
     found = fresh_interpreter(
         "from dramatiq_pg_fenced.db.statements import statements\n"
         "s = statements('lazy')\n"
@@ -172,5 +172,8 @@ def test_a_statement_is_bound_when_first_read_and_a_worker_never_loads_the_other
     assert found == [
         ["_schema"],
         ["_schema", "ack", "claim"],
-        [f"dramatiq_pg_fenced.db.queries.{name}" for name in ("health", "relay", "schedules", "search", "timings")],
+        [
+            f"dramatiq_pg_fenced.db.queries.{name}"
+            for name in ("health", "reindex", "relay", "schedules", "search", "timings")
+        ],
     ]
