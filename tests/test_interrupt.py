@@ -3,6 +3,7 @@ in-process workers and with the ``dramatiq`` CLI; the interrupter's races withou
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import subprocess
@@ -557,3 +558,69 @@ def test_an_async_actor_is_stopped_too(dramatiq_pg_broker: PostgresBroker) -> No
         broker.join("iy", timeout=30_000)
     assert state(broker, message.message_id) == ("cancelled", 1)
     assert broker.interrupter.interrupts == 1
+
+
+def test_an_async_actor_cancelled_before_its_worker_thread_waits_on_it(
+    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an async actor whose coroutine runs on the event loop while its worker thread has
+    scheduled it and not yet begun to wait for it (Dramatiq's ``run_coroutine`` between
+    ``run_coroutine_threadsafe`` and its ``try``: a thread preempted there on a busy machine); when
+    its message is cancelled in that window, I expect the coroutine cancelled all the same, and the
+    delivery to end as cancelled (an exception raised into the worker thread there would leave the
+    coroutine running on the loop for ever)."""
+    import asyncio
+
+    from dramatiq.middleware.asyncio import AsyncIO
+
+    broker = dramatiq_pg_broker
+    broker.add_middleware(AsyncIO())
+    started = threading.Event()
+    seen: list[str] = []
+    schedule = asyncio.run_coroutine_threadsafe
+
+    def scheduled_then_preempted(coro: Any, loop: Any) -> Any:
+        future = schedule(coro, loop)
+        wait_for(lambda: broker.interrupter.interrupts, 30, "the cancel to reach the interrupter")
+        return future
+
+    @dramatiq.actor(queue_name="iw", interrupt_on_cancel=True)
+    async def waits() -> None:
+        started.set()
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            seen.append("coroutine cancelled")
+            raise
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", scheduled_then_preempted)
+    with running_worker(broker, threads=1):
+        message = waits.send()
+        assert started.wait(30)
+        assert broker.cancel(message.message_id) is CancelOutcome.RUNNING
+        wait_for(lambda: seen, 30, "the coroutine to be cancelled")
+        broker.join("iw", timeout=30_000)
+    assert state(broker, message.message_id) == ("cancelled", 1)
+    assert broker.interrupter.interrupts == 1
+
+
+def test_only_dramatiqs_own_wrapper_of_a_coroutine_is_taken_for_an_async_actor() -> None:
+    """A function of the user's that wraps a coroutine function (``functools.wraps``) keeps its own way
+    of running it: only Dramatiq's ``async_to_sync`` wrapper is replaced by the cancellable runner."""
+    import asyncio
+    import functools
+
+    from dramatiq.asyncio import async_to_sync
+
+    async def body() -> int:
+        return 1
+
+    @functools.wraps(body)
+    def users_own() -> int:
+        return asyncio.run(body())
+
+    assert interrupt._async_actor_body(async_to_sync(body)) is body
+    assert interrupt._async_actor_body(users_own) is None
+    assert interrupt._async_actor_body(lambda: None) is None
+    assert interruptible(users_own, lambda: Interrupter(logging.getLogger("t"))).__wrapped__ is users_own

@@ -7,7 +7,9 @@ delivery (by its fence token).  When that delivery's row is cancelled, the
 thread gets :class:`MessageCancelled` at its next Python instruction, as
 Dramatiq's ``TimeLimit`` does it (``raise_thread_exception``): a thread in a C
 call (``time.sleep``, a socket read, a lock) gets it when the call returns;
-:func:`sleep` is a sleep that a cancel ends at once.
+:func:`sleep` is a sleep that a cancel ends at once.  An ``async def`` actor
+is stopped on its event loop instead: its task is cancelled
+(:func:`interruptible_async`), nothing is sent to the worker thread.
 
 How the process hears of it, first to last:
 
@@ -59,7 +61,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from dramatiq.middleware.threading import Interrupt, current_platform, raise_thread_exception
@@ -87,12 +89,14 @@ class Interrupter:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # tokens heard cancelled, not running here
         self.interrupts = 0  #: interrupts sent since the process started
 
-    def enter(self, message_id: str, attempt: int, delivery: str) -> bool:
+    def enter(self, message_id: str, attempt: int, delivery: str, cancel: Callable[[], object] | None = None) -> bool:
         """The body of *delivery*'s actor starts on this thread; ``False``: it already runs here (a nested call).
 
         Raises :class:`MessageCancelled` at once if the delivery was heard cancelled already.
         From the moment it registers, an interrupt may land: call it where
-        :meth:`leave` is sure to follow (see :func:`interruptible`).
+        :meth:`leave` is sure to follow (see :func:`interruptible`).  *cancel*: the
+        body is a coroutine, stopped by this call (its task cancelled), not by an
+        exception sent to the thread (see :func:`interruptible_async`).
         """
         with self._lock:
             if delivery in self._running:
@@ -101,7 +105,9 @@ class Interrupter:
                 del self._cancelled[delivery]
                 raise MessageCancelled(describe(message_id, attempt))
             thread_id = threading.get_ident()
-            _here.entry = self._running[delivery] = Running(message_id, attempt, delivery, thread_id, self._lock)
+            entry = self._running[delivery] = Running(message_id, attempt, delivery, thread_id, self._lock, cancel)
+            if cancel is None:
+                _here.entry = entry  # the event loop's thread runs many coroutines: no entry of its own
         return True
 
     def runs_here(self, delivery: str) -> bool:
@@ -123,6 +129,8 @@ class Interrupter:
                     entry = self._running.get(delivery)
                     if entry is not None and entry.thread_id == threading.get_ident():
                         del self._running[delivery]
+                        if entry.cancel is not None:
+                            return entry.interrupted  # nothing was sent to the thread
                         _here.entry = None
                         if entry.interrupted:
                             interrupted = True
@@ -144,7 +152,10 @@ class Interrupter:
             if entry.interrupted or entry.deferred:
                 return False
             self.interrupts += 1
-            if entry.shields:
+            if entry.cancel is not None:
+                entry.interrupted = True
+                entry.cancel()  # the coroutine's task, cancelled on its loop: CancelledError at its await
+            elif entry.shields:
                 entry.deferred = True  # raised by the thread itself as its shield ends
             else:
                 entry.interrupted = True
@@ -180,8 +191,12 @@ def interruptible(fn: Callable[..., Any], interrupter: Callable[[], Interrupter]
     """*fn* as an actor body that a cancel of its delivery interrupts (see the module docstring).
 
     Called outside a delivery of ours (directly, in a test, on another broker),
-    it is *fn*.
+    it is *fn*.  An ``async def`` actor (*fn* is Dramatiq's ``async_to_sync`` of
+    it) is :func:`interruptible_async`.
     """
+    coroutine_fn = _async_actor_body(fn)
+    if coroutine_fn is not None:
+        return interruptible_async(coroutine_fn, interrupter)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -216,6 +231,77 @@ def interruptible(fn: Callable[..., Any], interrupter: Callable[[], Interrupter]
 
     run.interrupts_on_cancel = True  # type: ignore[attr-defined]
     return run
+
+
+def interruptible_async(
+    coroutine_fn: Callable[..., Coroutine[Any, Any, Any]], interrupter: Callable[[], Interrupter]
+) -> Callable[..., Any]:
+    """An ``async def`` actor body that a cancel of its delivery stops: its task is cancelled.
+
+    Dramatiq runs a coroutine on its event loop's thread while the worker
+    thread waits for it, and stops it (a time limit, a shutdown) by raising in
+    the worker thread, which then cancels the coroutine's future.  That
+    exception may land before the wait has begun (``run_coroutine`` between
+    scheduling the coroutine and its ``try``, where a busy machine preempts a
+    thread): it leaves the worker thread and the coroutine runs on, unowned.
+    So a cancel sends nothing to the worker thread: the coroutine registers
+    itself from the loop, and a cancel calls its task's ``cancel()`` there
+    (``asyncio.CancelledError`` at its ``await``).  The delivery ends with
+    :class:`MessageCancelled`, as a thread's does, also if the coroutine
+    returned or swallowed the cancel while it was cancelled.
+    """
+    import asyncio
+
+    from dramatiq.asyncio import async_to_sync, get_event_loop_thread
+
+    plain = async_to_sync(coroutine_fn)
+
+    @functools.wraps(coroutine_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        message = running_delivery.running()  # on the worker thread: the loop's thread has no delivery
+        loop_thread = get_event_loop_thread()
+        if message is None or loop_thread is None:
+            return plain(*args, **kwargs)
+        registry = interrupter()
+
+        async def body() -> Any:
+            task = asyncio.current_task()
+            loop = asyncio.get_running_loop()
+            assert task is not None
+            if not registry.enter(
+                message.message_id, message.attempt, message.delivery, lambda: loop.call_soon_threadsafe(task.cancel)
+            ):
+                return await coroutine_fn(*args, **kwargs)
+            try:
+                result = await coroutine_fn(*args, **kwargs)
+            except BaseException as exc:
+                if registry.leave(message.delivery):
+                    cause = None if isinstance(exc, asyncio.CancelledError) else exc
+                    raise MessageCancelled(describe(message.message_id, message.attempt)) from cause
+                raise  # not ours: Dramatiq's own cancel (a time limit, a shutdown) or the actor's error
+            if registry.leave(message.delivery):
+                raise MessageCancelled(describe(message.message_id, message.attempt))
+            return result
+
+        return loop_thread.run_coroutine(body())
+
+    run.interrupts_on_cancel = True  # type: ignore[attr-defined]
+    return run
+
+
+def _async_actor_body(fn: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]] | None:
+    """The ``async def`` function of which *fn* is Dramatiq's ``async_to_sync`` wrapper, if it is one
+    (known by the wrapper's code: a function of the user's that wraps a coroutine is left alone)."""
+    import inspect
+
+    from dramatiq.asyncio import async_to_sync
+
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is None or not inspect.iscoroutinefunction(wrapped):
+        return None
+    if getattr(fn, "__code__", None) is not getattr(async_to_sync(wrapped), "__code__", ()):
+        return None
+    return wrapped
 
 
 def with_throws(throws: Any) -> tuple[type[BaseException], ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from dramatiq.middleware.threading import Interrupt
@@ -35,9 +35,28 @@ class Running:
     process's ``import dramatiq_pg_fenced``.
     """
 
-    __slots__ = ("message_id", "attempt", "delivery", "thread_id", "lock", "interrupted", "shields", "deferred", "wake")
+    __slots__ = (
+        "message_id",
+        "attempt",
+        "delivery",
+        "thread_id",
+        "lock",
+        "interrupted",
+        "shields",
+        "deferred",
+        "wake",
+        "cancel",
+    )
 
-    def __init__(self, message_id: str, attempt: int, delivery: str, thread_id: int, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        message_id: str,
+        attempt: int,
+        delivery: str,
+        thread_id: int,
+        lock: threading.Lock,
+        cancel: Callable[[], object] | None = None,
+    ) -> None:
         self.message_id = message_id
         self.attempt = attempt
         self.delivery = delivery  # the fence token
@@ -47,6 +66,8 @@ class Running:
         self.shields = 0  #: nested shielded() blocks the thread is in
         self.deferred = False  #: cancelled inside a shield: raised as the outermost one ends
         self.wake = threading.Event()  #: set on cancel: ends a sleep() at once
+        #: An async actor's coroutine: cancels its task on the event loop (no exception sent to a thread).
+        self.cancel = cancel
 
     def __repr__(self) -> str:
         return f"Running({self.message_id!r}, attempt={self.attempt}, thread_id={self.thread_id})"
