@@ -120,3 +120,49 @@ def test_a_series_of_an_unknown_span_or_a_bad_queue_name_is_refused(dramatiq_pg_
         dramatiq_pg_broker.series(span="week")
     with pytest.raises(ValueError, match="queue name"):
         dramatiq_pg_broker.series(queue="no spaces")
+
+
+def test_a_depth_past_its_budget_is_left_out_and_the_minutes_outcomes_are_sampled_all_the_same(
+    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an overview that cannot end within the sample's budget (here it waits for a lock another
+    session holds; under a pinned horizon its scans step over every dead entry); when the minute's
+    sample is taken, I expect the minute's outcomes sampled, no depth for it (a gap, not a stale or
+    partial figure), the sample counted as taken, and the rest of its transaction under the
+    session's own statement timeout again."""
+    broker = dramatiq_pg_broker
+    monkeypatch.setattr(samples, "SAMPLE_BUDGET_MS", 200)
+    early_in_a_minute(broker)
+    broker.enqueue(message("bud"))
+    query(broker, "DELETE FROM {schema}.queue_minute")
+    query(broker, "INSERT INTO {schema}.throughput (queue_name, minute, writer, done, dead, retried)"
+          " VALUES ('bud', date_trunc('minute', now()) - interval '1 minute', 'w', 7, 0, 0)")  # fmt: skip
+    url = broker.database.conninfo
+    with psycopg.connect(url, autocommit=True) as holder:
+        holder.execute("BEGIN")
+        holder.execute(f"LOCK TABLE {broker.schema}.paused_queue IN ACCESS EXCLUSIVE MODE")
+        with broker.database.connection() as conn:
+            conn.execute("SET statement_timeout = '31s'")
+            seen: list[str] = []
+            original = conn.execute
+
+            def execute(statement: Any, *args: Any, **kwargs: Any) -> Any:
+                if statement is broker.statements.overview:
+                    seen.append(original("SHOW statement_timeout").fetchone()[0])
+                cursor = original(statement, *args, **kwargs)
+                if statement is broker.statements.sample_outcomes:
+                    seen.append(original("SHOW statement_timeout").fetchone()[0])
+                return cursor
+
+            monkeypatch.setattr(conn, "execute", execute)
+            assert samples.take_sample(conn, broker.statements) is True
+            monkeypatch.undo()
+            conn.execute("RESET statement_timeout")
+        holder.execute("ROLLBACK")
+    assert seen == ["200ms", "31s"]  # the overview under the budget, the outcomes under the session's own
+    rows = query(broker, "SELECT queue_name, due, done FROM {schema}.queue_minute ORDER BY queue_name, minute")
+    assert ("bud", None, 7) in rows and all(due is None for _, due, _ in rows)
+    # And a sample that fits its budget is taken in full
+    query(broker, "DELETE FROM {schema}.queue_minute")
+    assert sample(broker) is True
+    assert ("bud", 1) in query(broker, "SELECT queue_name, due FROM {schema}.queue_minute WHERE due IS NOT NULL")

@@ -27,8 +27,8 @@ LISTEN connection down, or ``listen=False``).
   (see :mod:`.processes`); the purge deletes the rows of processes gone for an hour.
 - **Samples** for the console's charts, tried every ``samples.SAMPLE_EVERY``
   seconds by the process on duty (turns.py; every process that runs a worker while
-  its turns are unknown): the first try in a minute takes that minute's sample
-  (see :mod:`.samples`); the purge deletes samples older than a day.  On duty, its
+  its turns are unknown) until one takes that minute's sample (see :mod:`.samples`:
+  its depth within a budget), then as the next minute begins; the purge deletes samples older than a day.  On duty, its
   pooled connection is in use (the idle polls): no connection check before the try.
 - **History**, every ``HISTORY_PURGE_EVERY`` seconds: acked messages, and the attempt
   log's rows (migration 023), older than ``keep_finished``, oldest first, in batches of ``HISTORY_BATCH`` rows, each
@@ -128,7 +128,7 @@ class Maintenance(Periodic):
         self._last_full = -math.inf
         self._last_full_finish = -math.inf
         self._last_history_purge = 0.0
-        self._last_sample = 0.0
+        self._next_sample = 0.0  # monotonic time of the next try of the charts' sample
         self._history_behind = False
         self._vacuumed_at_claims = 0
         self._last_vacuum = 0.0
@@ -165,11 +165,12 @@ class Maintenance(Periodic):
             on_duty  # one process at a time tries: eight idle processes tried 32 times a minute, each a transaction
             and self.heartbeat is not None
             and self.heartbeat.active  # a process running a worker: the charts' sample
-            and time.monotonic() - self._last_sample > samples.SAMPLE_EVERY
+            and time.monotonic() >= self._next_sample
         ):
-            self._last_sample = time.monotonic()
+            self._next_sample = time.monotonic() + samples.SAMPLE_EVERY
             with self.database.connection(raw=True) as conn:
-                samples.take_sample(conn, self.statements)
+                if samples.take_sample(conn, self.statements):
+                    self._next_sample = time.monotonic() + samples.until_next_minute()
         if time.monotonic() - self._last_purge > PURGE_EVERY and self._mine("purge", PURGE_EVERY):
             self._last_purge = time.monotonic()
             self.purge()

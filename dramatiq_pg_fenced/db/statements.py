@@ -382,6 +382,8 @@ class Statements:
     search_kept: bytes
     search_id: bytes
     sample_claim: bytes
+    sample_budget: bytes
+    sample_budget_end: bytes
     sample_depth: bytes
     sample_outcomes: bytes
     sample_purge: bytes

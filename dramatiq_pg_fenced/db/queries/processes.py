@@ -62,6 +62,10 @@ TEMPLATES.update(
                                     WHERE queue_name = '' AND minute = date_trunc('minute', now())
                                       AND due IS NOT NULL)
         """,
+        # The depth's budget (samples.SAMPLE_BUDGET_MS), inside a savepoint, and the session's own
+        # statement timeout back for the rest of the transaction.
+        "sample_budget": "SELECT set_config('statement_timeout', %(ms)s, true)",
+        "sample_budget_end": "SET LOCAL statement_timeout TO DEFAULT",
         "sample_depth": """
             INSERT INTO {schema}.queue_minute AS s (queue_name, minute, due, oldest_due_seconds)
             SELECT q, date_trunc('minute', now()), d, o
