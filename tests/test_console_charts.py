@@ -157,6 +157,7 @@ def test_a_depth_past_its_budget_is_left_out_and_the_minutes_outcomes_are_sample
             monkeypatch.setattr(conn, "execute", execute)
             assert samples.take_sample(conn, broker.statements) is True
             monkeypatch.undo()
+            assert samples.take_sample(conn, broker.statements) is False  # nor tried again in that minute
             conn.execute("RESET statement_timeout")
         holder.execute("ROLLBACK")
     assert seen == ["200ms", "31s"]  # the overview under the budget, the outcomes under the session's own

@@ -36,6 +36,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_fenced import PostgresBroker
+from dramatiq_pg_fenced.core import processes
 from dramatiq_pg_fenced.core.floor import HEAD, LOOK_BACK_WINDOW
 from dramatiq_pg_fenced.core.maintenance import RESCUE_MARGIN
 
@@ -73,6 +74,10 @@ STILL_GROWING = {
     "relay_take": "the ids relay_look found, taken: with the statistics of an empty table the planner walks the"
     " claim index of those queues (state 'queued', queue_name) for them rather than probe the primary key;"
     " once per batch relay_look found, on the relay's thread, as relay_look itself",
+    "overview": "each queue's queued rows counted from the head of its range in the claim index (the loose scan of"
+    " queue names, then the due count, which reads the oldest due on its way: two walks of the dead entries);"
+    " the charts' sample runs it within a budget (samples.SAMPLE_BUDGET_MS), the rest at a person's or a"
+    " scraper's pace",
 }
 
 
@@ -200,6 +205,8 @@ def _statements(broker: PostgresBroker, live: Live) -> dict[str, tuple[bytes, An
         ),
         # an operator's cancel of a queued message
         "cancel": (st.cancel, {"id": live.queued[0][0], "seq": None, "channel": ""}),
+        # the console's first page, stats(), the metrics (capped) and the charts' sample (samples.SAMPLE_CAP)
+        "overview": (st.overview, {"cap": 10_001, "beats": processes.STALE_AFTER_BEATS}),
     }
     # The variants run while history is kept (keep_finished > 0, the default): the same with the
     # attempt log's insert, whose CTEs read the rows again (a plan of their own).

@@ -268,9 +268,14 @@ def interruptible_async(
             task = asyncio.current_task()
             loop = asyncio.get_running_loop()
             assert task is not None
-            if not registry.enter(
-                message.message_id, message.attempt, message.delivery, lambda: loop.call_soon_threadsafe(task.cancel)
-            ):
+
+            def cancel() -> None:
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # the loop is closed (the worker stops): the coroutine ends with it
+                    pass
+
+            if not registry.enter(message.message_id, message.attempt, message.delivery, cancel):
                 return await coroutine_fn(*args, **kwargs)
             try:
                 result = await coroutine_fn(*args, **kwargs)

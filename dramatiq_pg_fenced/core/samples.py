@@ -69,7 +69,8 @@ def take_sample(conn: psycopg.Connection, statements: Statements) -> bool:
                 SAMPLE_BUDGET_MS,
             )
             rows = None
-        if rows is None:
+        if rows is None:  # the minute's row for all queues, its depth unknown: no other process tries it again
+            conn.execute(statements.sample_depth, {"queues": [""], "due": [None], "oldest": [None]})
             conn.execute(statements.sample_outcomes)
             return True
         at = OVERVIEW_COLUMNS.index

@@ -107,14 +107,21 @@ TEMPLATES.update(
         # (processes.py): of the claimed rows, that many run, the rest wait in a prefetch.
         # Outcomes of the last minute and hour ("recent"): whole minutes, plus
         # the older minute's share of the window (a sliding-window estimate).
+        # Under a pinned horizon the claim index keeps an entry for every row claimed since, at the
+        # head of each queue's range, and each scan from a head walks them all (docs/performance.md):
+        # the loose scan of queue names brings each queue's first priority along, and the due count
+        # reads the oldest due on its way, so they are walked twice, not four times.
         "overview": f"""
             WITH RECURSIVE
-            queued(name) AS (
-                (SELECT queue_name FROM {{schema}}.message WHERE state = 'queued' ORDER BY queue_name LIMIT 1)
+            queued(name, first) AS (
+                (SELECT queue_name, priority FROM {{schema}}.message WHERE state = 'queued'
+                  ORDER BY queue_name, priority LIMIT 1)
                 UNION ALL
-                SELECT (SELECT m.queue_name FROM {{schema}}.message AS m
-                         WHERE m.state = 'queued' AND m.queue_name > queued.name ORDER BY m.queue_name LIMIT 1)
-                  FROM queued WHERE queued.name IS NOT NULL
+                SELECT n.queue_name, n.priority
+                  FROM queued CROSS JOIN LATERAL (
+                       SELECT m.queue_name, m.priority FROM {{schema}}.message AS m
+                        WHERE m.state = 'queued' AND m.queue_name > queued.name
+                        ORDER BY m.queue_name, m.priority LIMIT 1) AS n
             ),
             finished(name) AS (
                 (SELECT queue_name FROM {{schema}}.message WHERE state IN ('dead', 'cancelled')
@@ -153,7 +160,7 @@ TEMPLATES.update(
                  GROUP BY queue_name
             ),
             q(name) AS (
-                SELECT name FROM queued WHERE name IS NOT NULL
+                SELECT name FROM queued
                 UNION SELECT name FROM finished WHERE name IS NOT NULL
                 UNION SELECT queue_name FROM running
                 UNION SELECT queue_name FROM recent
@@ -174,6 +181,7 @@ TEMPLATES.update(
                    extract(epoch FROM now() - depth.oldest)::float8 AS oldest_due_seconds,
                    p.paused_at
               FROM q
+              LEFT JOIN queued AS qd ON qd.name = q.name
               LEFT JOIN running AS r ON r.queue_name = q.name
               LEFT JOIN busy AS b ON b.queue_name = q.name
               LEFT JOIN recent AS t ON t.queue_name = q.name
@@ -181,20 +189,18 @@ TEMPLATES.update(
               LEFT JOIN {{schema}}.counter AS sc ON sc.name = 'stale_writes:' || q.name
               LEFT JOIN LATERAL (
                   WITH RECURSIVE pr(p) AS (
-                      (SELECT priority FROM {{schema}}.message
-                        WHERE queue_name = q.name AND state = 'queued' ORDER BY priority LIMIT 1)
+                      SELECT qd.first
                       UNION ALL
                       SELECT (SELECT m.priority FROM {{schema}}.message AS m
                                WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority > pr.p
                                ORDER BY m.priority LIMIT 1)
                         FROM pr WHERE pr.p IS NOT NULL
                   )
-                  SELECT sum(due.n)::bigint AS due, sum(later.n)::bigint AS delayed,
-                         min(head.at) FILTER (WHERE head.at <= now()) AS oldest
+                  SELECT sum(due.n)::bigint AS due, sum(later.n)::bigint AS delayed, min(due.oldest) AS oldest
                     FROM pr
                    CROSS JOIN LATERAL (
-                         SELECT count(*) AS n FROM (
-                             SELECT FROM {{schema}}.message AS m
+                         SELECT count(*) AS n, min(d.at) AS oldest FROM (
+                             SELECT m.available_at AS at FROM {{schema}}.message AS m
                               WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
                                 AND m.available_at <= now() ORDER BY m.available_at LIMIT %(cap)s) AS d) AS due
                    CROSS JOIN LATERAL (
@@ -202,10 +208,6 @@ TEMPLATES.update(
                              SELECT FROM {{schema}}.message AS m
                               WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
                                 AND m.available_at > now() ORDER BY m.available_at LIMIT %(cap)s) AS d) AS later
-                   CROSS JOIN LATERAL (
-                         SELECT m.available_at AS at FROM {{schema}}.message AS m
-                          WHERE m.queue_name = q.name AND m.state = 'queued' AND m.priority = pr.p
-                          ORDER BY m.available_at LIMIT 1) AS head
                    WHERE pr.p IS NOT NULL
               ) AS depth ON true
              ORDER BY q.name

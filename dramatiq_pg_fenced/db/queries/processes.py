@@ -59,8 +59,7 @@ TEMPLATES.update(
         "sample_claim": """
             SELECT pg_try_advisory_xact_lock(1684107597, '{schema}.queue_minute'::regclass::oid::int)
                    AND NOT EXISTS (SELECT FROM {schema}.queue_minute
-                                    WHERE queue_name = '' AND minute = date_trunc('minute', now())
-                                      AND due IS NOT NULL)
+                                    WHERE queue_name = '' AND minute = date_trunc('minute', now()))
         """,
         # The depth's budget (samples.SAMPLE_BUDGET_MS), inside a savepoint, and the session's own
         # statement timeout back for the rest of the transaction.
