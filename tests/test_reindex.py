@@ -153,3 +153,25 @@ def test_the_chore_runs_on_a_thread_of_its_own(broker: PostgresBroker, own_datab
     reindexer.join(60)
     assert "message_pkey" in reindexer.rebuilt
 
+
+
+def test_the_smaller_indexes_the_same_pin_bloated_are_rebuilt_with_the_largest(
+    broker: PostgresBroker, own_database: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """Given the indexes a pin bloated, only the largest past MIN_BYTES, I expect the check to rebuild the
+    others bloated as much and larger than WITH_OTHERS_BYTES with it (the same pin's pages), and none at
+    all while no index is past MIN_BYTES."""
+    bloat(own_database)
+    before = sizes(own_database)
+    largest = max(before.values())
+    smaller = {name: size for name, size in before.items() if 64 * 1024 < size < largest}
+    assert smaller, before  # (the claim and lease indexes: a live's entries are fewer there)
+    monkeypatch.setattr(reindex, "WITH_OTHERS_BYTES", 64 * 1024)
+    monkeypatch.setattr(reindex, "MIN_BYTES", largest)  # none past it
+    assert broker.parts.maintenance.reindexer.check() == []
+    monkeypatch.setattr(reindex, "MIN_BYTES", largest - 1)  # the largest alone past it
+    rebuilt = broker.parts.maintenance.reindexer.check()
+    after = sizes(own_database)
+    assert set(smaller) <= set(rebuilt), (rebuilt, before)
+    for name in smaller:
+        assert after[name] < before[name] / reindex.FACTOR, (name, before[name], after[name])
