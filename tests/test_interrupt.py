@@ -528,47 +528,17 @@ def test_with_throws_adds_message_cancelled_once() -> None:
     assert with_throws((KeyError, MessageCancelled)) == (KeyError, MessageCancelled)
 
 
-def test_an_async_actor_is_stopped_too(dramatiq_pg_broker: PostgresBroker) -> None:
-    """Given an async actor (Dramatiq's AsyncIO middleware) with interrupt_on_cancel; when its
-    message is cancelled, I expect its coroutine cancelled and the delivery to end as cancelled."""
-    import asyncio
-
-    from dramatiq.middleware.asyncio import AsyncIO
-
-    broker = dramatiq_pg_broker
-    broker.add_middleware(AsyncIO())
-    started = threading.Event()
-    seen: list[str] = []
-
-    @dramatiq.actor(queue_name="iy", interrupt_on_cancel=True)
-    async def waits() -> None:
-        started.set()
-        try:
-            while True:
-                await asyncio.sleep(0.05)
-        except asyncio.CancelledError:
-            seen.append("coroutine cancelled")
-            raise
-
-    with running_worker(broker, threads=1):
-        message = waits.send()
-        assert started.wait(30)
-        assert broker.cancel(message.message_id) is CancelOutcome.RUNNING
-        wait_for(lambda: seen, 30, "the coroutine to be cancelled")
-        broker.join("iy", timeout=30_000)
-    assert state(broker, message.message_id) == ("cancelled", 1)
-    assert broker.interrupter.interrupts == 1
-
-
-def test_an_async_actor_cancelled_before_its_worker_thread_waits_on_it(
-    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("preempted", [False, True], ids=["waiting", "preempted_before_the_wait"])
+def test_an_async_actor_is_stopped_too(
+    dramatiq_pg_broker: PostgresBroker, monkeypatch: pytest.MonkeyPatch, preempted: bool
 ) -> None:
-    """Given an async actor whose coroutine runs on the event loop while its worker thread has
-    scheduled it and not yet begun to wait for it (Dramatiq's ``run_coroutine`` between
-    ``run_coroutine_threadsafe`` and its ``try``: a thread preempted there on a busy machine); when
-    its message is cancelled in that window, I expect the coroutine cancelled all the same, and the
-    delivery to end as cancelled (an exception raised into the worker thread there would leave the
-    coroutine running on the loop for ever)."""
+    """Given an async actor (Dramatiq's AsyncIO middleware) with interrupt_on_cancel; when its
+    message is cancelled, I expect its coroutine cancelled and the delivery to end as cancelled.
+
+    *preempted*: the cancel comes while the worker thread has scheduled the coroutine and not yet
+    begun to wait for it (Dramatiq's ``run_coroutine`` between ``run_coroutine_threadsafe`` and its
+    ``try``: a thread preempted there on a busy machine, as in a CI run); an exception raised into
+    the worker thread there would leave the coroutine running on the loop for ever."""
     import asyncio
 
     from dramatiq.middleware.asyncio import AsyncIO
@@ -584,7 +554,7 @@ def test_an_async_actor_cancelled_before_its_worker_thread_waits_on_it(
         wait_for(lambda: broker.interrupter.interrupts, 30, "the cancel to reach the interrupter")
         return future
 
-    @dramatiq.actor(queue_name="iw", interrupt_on_cancel=True)
+    @dramatiq.actor(queue_name="iy", interrupt_on_cancel=True)
     async def waits() -> None:
         started.set()
         try:
@@ -594,13 +564,14 @@ def test_an_async_actor_cancelled_before_its_worker_thread_waits_on_it(
             seen.append("coroutine cancelled")
             raise
 
-    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", scheduled_then_preempted)
+    if preempted:
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", scheduled_then_preempted)
     with running_worker(broker, threads=1):
         message = waits.send()
         assert started.wait(30)
         assert broker.cancel(message.message_id) is CancelOutcome.RUNNING
         wait_for(lambda: seen, 30, "the coroutine to be cancelled")
-        broker.join("iw", timeout=30_000)
+        broker.join("iy", timeout=30_000)
     assert state(broker, message.message_id) == ("cancelled", 1)
     assert broker.interrupter.interrupts == 1
 
