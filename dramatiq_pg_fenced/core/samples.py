@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import psycopg
 
@@ -65,24 +66,23 @@ def take_sample(conn: psycopg.Connection, statements: Statements) -> bool:
         except psycopg.errors.QueryCanceled:
             logger.info(
                 "This minute's depth sample for the charts was left out: the overview took more than %d ms "
-                "(its scans step over the entries of rows an old snapshot keeps dead; see docs/operating.md).",
+                "(its scans step over the entries of rows an old snapshot keeps dead; see docs/console-data.md).",
                 SAMPLE_BUDGET_MS,
             )
             rows = None
         if rows is None:  # the minute's row for all queues, its depth unknown: no other process tries it again
-            conn.execute(statements.sample_depth, {"queues": [""], "due": [None], "oldest": [None]})
-            conn.execute(statements.sample_outcomes)
-            return True
-        at = OVERVIEW_COLUMNS.index
-        names = [r[at("queue")] for r in rows]
-        due = [int(r[at("due")]) for r in rows]
-        oldest = [r[at("oldest_due_seconds")] for r in rows]
-        ages = [a for a in oldest if a is not None]
-        params = {
-            "queues": ["", *names],
-            "due": [sum(due), *due],
-            "oldest": [max(ages) if ages else None, *oldest],
-        }
+            params: dict[str, list[Any]] = {"queues": [""], "due": [None], "oldest": [None]}
+        else:
+            at = OVERVIEW_COLUMNS.index
+            names = [r[at("queue")] for r in rows]
+            due = [int(r[at("due")]) for r in rows]
+            oldest = [r[at("oldest_due_seconds")] for r in rows]
+            ages = [a for a in oldest if a is not None]
+            params = {
+                "queues": ["", *names],
+                "due": [sum(due), *due],
+                "oldest": [max(ages) if ages else None, *oldest],
+            }
         conn.execute(statements.sample_depth, params)
         conn.execute(statements.sample_outcomes)
     return True
