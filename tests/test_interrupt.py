@@ -595,3 +595,37 @@ def test_only_dramatiqs_own_wrapper_of_a_coroutine_is_taken_for_an_async_actor()
     assert interrupt._async_actor_body(users_own) is None
     assert interrupt._async_actor_body(lambda: None) is None
     assert interruptible(users_own, lambda: Interrupter(logging.getLogger("t"))).__wrapped__ is users_own
+
+
+def test_an_async_actor_that_swallows_the_cancel_still_ends_cancelled(
+    dramatiq_pg_broker: PostgresBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given an async actor that catches the CancelledError of its cancel and returns normally; I expect
+    its delivery to end as cancelled all the same (no ack, no result), as a thread's that swallowed the
+    interrupt does."""
+    import asyncio
+
+    from dramatiq.middleware.asyncio import AsyncIO
+
+    broker = dramatiq_pg_broker
+    broker.add_middleware(AsyncIO())
+    started = threading.Event()
+    seen: list[str] = []
+
+    @dramatiq.actor(queue_name="iz", interrupt_on_cancel=True)
+    async def swallows() -> None:
+        started.set()
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            seen.append("swallowed")  # and returns
+
+    with caplog.at_level(logging.INFO, logger="dramatiq.worker"), running_worker(broker, threads=1):
+        message = swallows.send()
+        assert started.wait(30)
+        assert broker.cancel(message.message_id) is CancelOutcome.RUNNING
+        wait_for(lambda: seen, 30, "the coroutine to see its cancel")
+        broker.join("iz", timeout=30_000)
+        wait_for(lambda: "expected exception MessageCancelled" in caplog.text, 30, "the worker to log the cancel")
+    assert state(broker, message.message_id) == ("cancelled", 1)
