@@ -10,6 +10,7 @@ priority no actor here has).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -469,3 +470,76 @@ def test_the_probe_behind_the_window_sends_a_claim_to_the_head_only_when_it_foun
     floor._head_due = 0.0
     assert isinstance(floor.start(), floors.Window)
     assert not isinstance(floors.Floor(0, None, "floor").start(), floors.Window)  # not windowed: the head
+
+
+def test_a_claim_that_found_nothing_moves_the_floor_to_the_servers_clock() -> None:
+    """Without a database: given claims that found nothing, each with the server's clock read at or
+    before its now(), I expect the floor FLOOR_MARGIN before that time (from the head as from the
+    floor), never moved back by an earlier reading from the floor, and left alone with no reading
+    (before: an empty claim left the floor where it was, or unset, so an idle consumer claimed from
+    the head for ever)."""
+    floor = floors.Floor(0, None, "floor", windowed=True)
+    t = datetime.now(timezone.utc)
+    floor.claimed(HEAD, [], 4, None)
+    assert floor.at is None and floor.start() is HEAD  # no reading: no proof where the queue stands
+    floor.claimed(HEAD, [], 4, t)
+    assert floor.at == (t - floors.FLOOR_MARGIN, HEAD[2])
+    start = floor.start()
+    assert start == (0, t - floors.FLOOR_MARGIN, HEAD[2])
+    later = t + timedelta(seconds=3)
+    floor.claimed(start, [], 4, later)
+    assert floor.at == (later - floors.FLOOR_MARGIN, HEAD[2])
+    floor.claimed(floor.start(), [], 4, t)  # an earlier reading: the floor stays
+    assert floor.at == (later - floors.FLOOR_MARGIN, HEAD[2])
+    floor.claimed(floor.start(), [], 4, None)
+    assert floor.at == (later - floors.FLOOR_MARGIN, HEAD[2])
+
+
+def test_the_servers_clock_is_read_at_or_before_a_statements_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a database: the offset kept is the largest reading (each is at most the true one), a
+    reading lower by more than FLOOR_MARGIN replaces it (the server's clock stepped back: lower is
+    safe), and a clock not read for CLOCK_FRESH_FOR seconds gives no time."""
+    clock = floors.ServerClock()
+    assert clock.before(100.0) is None
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    clock.observe(base, received=10.0)  # offset: base - 10 s
+    assert clock.before(11.0) == base + timedelta(seconds=1)
+    clock.observe(base + timedelta(seconds=1, milliseconds=5), received=11.0)  # an answer that came quicker
+    assert clock.before(12.0) == base + timedelta(seconds=2, milliseconds=5)
+    clock.observe(base + timedelta(seconds=1, milliseconds=900), received=12.0)  # 105 ms lower: latency
+    assert clock.before(12.0) == base + timedelta(seconds=2, milliseconds=5)
+    clock.observe(base + timedelta(seconds=2), received=13.0)  # 1 s lower: the server's clock stepped back
+    assert clock.before(13.0) == base + timedelta(seconds=2)
+    assert clock.before(13.0 + floors.CLOCK_FRESH_FOR + 1) is None
+
+
+def test_an_idle_consumer_claims_from_its_floor_not_from_the_head(
+    broker: PostgresBroker, no_look_back: None, starts: list
+) -> None:
+    """Given a listening consumer whose claims find nothing (another process takes every message), I
+    expect one claim from the head, then claims from a floor that follows the server's clock (never
+    ahead of it): under a pinned horizon each claim from the head steps over every entry the pin
+    keeps dead.  A message sent then is still claimed."""
+    c = broker.consume("floor", prefetch=4, timeout=100)
+    try:
+        listening(broker)
+        c.floor.forget()
+        starts.clear()
+        floors_seen = []
+
+        def claimed_nothing_after(claims: int) -> bool:
+            return next(c) is None and len(starts) > claims
+
+        for _ in range(3):
+            wait_for(functools.partial(claimed_nothing_after, len(starts)), 10, "an empty claim")
+            floors_seen.append(c.floor.at)
+            (server_now,) = query(broker, "SELECT now()")[0]
+            assert c.floor.at is not None and c.floor.at[0] <= server_now - floors.FLOOR_MARGIN
+        assert starts[0] is HEAD and all(s is not HEAD for s in starts[1:]), starts
+        assert floors_seen == sorted(floors_seen) and floors_seen[0] < floors_seen[-1]
+        send(broker, 7)
+        got = next_message(c)
+        assert tuple(got.args) == (7,)
+        c.ack(got)
+    finally:
+        c.close()

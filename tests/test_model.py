@@ -45,6 +45,7 @@ After every step the database is checked against a reference model:
   started and finds none only where none is; the probe finds a row exactly
   when one is due behind the window, and then the next claim is from the head;
   with the probe's none, the look back from the window finds every due row;
+  a claim that found nothing puts the floor no later than the server's clock;
   a purge never deletes a running message, and deletes exactly what it reports;
 - a re-drive moves back exactly the dead or cancelled messages, and never one
   that moved on after the re-drive read it;
@@ -539,6 +540,11 @@ class FenceModel(RuleBasedStateMachine):
         finally:
             del floor_.start
             floor_module.LOOK_BACK_WINDOW = window
+        if starts and proxy is None and floor_.at is not None:
+            # A claim that found nothing moves the floor to the server's clock (floor.ServerClock), never past it.
+            with psycopg.connect(self.url) as conn:
+                (server_now,) = conn.execute("SELECT now()").fetchone() or (None,)
+            assert floor_.at[0] <= server_now, "a claim that found nothing puts the floor no later than the server's clock"
         if found and found[0]:
             assert starts[0] is HEAD, "a row the probe found behind the window sends the next claim to the head"
         if starts and how != "floor":

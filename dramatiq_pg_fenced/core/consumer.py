@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from datetime import datetime
 
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
@@ -35,7 +36,7 @@ from ..errors import SchemaError, lost_connection
 from . import delivery, floor, turns
 from .delivery import Outcome, PostgresMessageProxy, ResultWrite
 from .fencing import State, Write
-from .floor import HEAD, Floor, KeyFloors, LookBack
+from .floor import HEAD, Floor, KeyFloors, LookBack, ServerClock
 from .leases import Leases
 from .outcomes import OutcomeWriter
 from .turns import Answered, Turns
@@ -170,6 +171,7 @@ class PostgresConsumer(Consumer):
         self._only_look = False
         # A process that listens hears every "!back": its unannounced look backs may start at the window.
         self.floor = Floor(priority, look_back, queue_name, windowed=doorbell is not None and not fair)
+        self.clock = ServerClock()  # where a claim that found nothing puts the floor
         self._probing = threading.Event()  # a probe behind the floor's window runs (_probe_behind)
         self.probes = 0  #: probes behind the window that ended (tests)
         self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
@@ -363,8 +365,9 @@ class PostgresConsumer(Consumer):
             params.update(self.key_floors.params(start))
         claim = self._statement(fair=self.fair, telling=params["took"] is not None)
         # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
+        sent = time.monotonic()
         rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
-        self.floor.claimed(start, rows, limit)  # a fair queue's: when to claim from the head
+        self.floor.claimed(start, rows, limit, self._drained_at(conn, rows, sent))  # a fair queue's: when to claim from the head
         if self.floor.probe_wanted:
             self.floor.probe_wanted = False
             self._probe_behind()
@@ -382,6 +385,22 @@ class PostgresConsumer(Consumer):
             claim = self._statement(fair=False, telling=params["took"] is not None)
             rows += conn.execute(with_limit(claim, room), params, prepare=self.database.prepare or None).fetchall()
         return rows
+
+    def _drained_at(self, conn: psycopg.Connection, rows: list[tuple], sent: float) -> datetime | None:
+        """The clock's reading for the floor of a claim sent at *sent* that found nothing (floor.ServerClock);
+        ``None`` for one that found rows (their ``now()`` is read instead) and in a fair queue (its key floors)."""
+        if rows:
+            self.clock.observe(rows[0][7], time.monotonic())
+            return None
+        if self.fair:
+            return None
+        drained_at = self.clock.before(sent)
+        if drained_at is None:
+            (server_now,) = conn.execute(self.statements.server_clock).fetchone() or (None,)
+            if server_now is not None:
+                self.clock.observe(server_now, time.monotonic())
+                drained_at = self.clock.before(sent)
+        return drained_at
 
     def _probe_behind(self) -> None:
         """Look for a claimable row behind the floor's window on a thread and a connection of its own

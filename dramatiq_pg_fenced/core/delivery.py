@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,37 +249,34 @@ def write_pending() -> None:
 
 
 # -- the delivery running on this thread -----------------------------------------------
-#: What a delivery's sends wait for (``_running.deferring``): nothing (sent at once), any outcome (the
+#: What a delivery's sends wait for (``_deferring``): nothing (sent at once), any outcome (the
 #: middleware's, after the actor: the next pipeline step, callbacks), or an ack (``with_ack()``).
 AT_ONCE, OUTCOME, ACK = "", "outcome", "ack"
 
 
-class _Running(threading.local):
-    """This thread's delivery.  The class holds the defaults a thread that never ran one reads (every
-    ``send()`` asks): a ``getattr`` with a default on a plain ``threading.local`` raised and caught
-    an ``AttributeError`` each time."""
-
-    delivery: PostgresMessageProxy | None = None
-    deferring: str = AT_ONCE
-
-
-_running = _Running()
+#: This worker's delivery and what its sends wait for: per thread and per asyncio task, not per thread
+#: alone.  Dramatiq runs every ``async def`` actor of a worker on one event loop thread; its coroutine
+#: is scheduled in a copy of the worker thread's context (``run_coroutine_threadsafe``), so it reads the
+#: delivery its worker thread runs, and two coroutines on that loop read their own (a
+#: ``threading.local`` there would be the loop's, the same for all: ``with_ack()`` sent at once).
+_delivery: ContextVar[PostgresMessageProxy | None] = ContextVar("dramatiq_pg_fenced.delivery", default=None)
+_deferring: ContextVar[str] = ContextVar("dramatiq_pg_fenced.deferring", default=AT_ONCE)
 
 
 def start(delivery: PostgresMessageProxy | None) -> None:
     """Called as *delivery* starts on this worker thread (``None``: nothing runs here)."""
-    _running.delivery = delivery
-    _running.deferring = AT_ONCE
+    _delivery.set(delivery)
+    _deferring.set(AT_ONCE)
 
 
 def running() -> PostgresMessageProxy | None:
-    """The delivery this worker thread runs, if it is one of ours."""
-    return _running.delivery
+    """The delivery this worker thread (or the coroutine of its async actor) runs, if it is one of ours."""
+    return _delivery.get()
 
 
 def defer_effects() -> None:
     """From now until its outcome, messages this thread sends belong to its delivery (see :func:`deferring`)."""
-    _running.deferring = OUTCOME
+    _deferring.set(OUTCOME)
 
 
 def deferring() -> PostgresMessageProxy | None:
@@ -289,7 +287,7 @@ def deferring() -> PostgresMessageProxy | None:
     :meth:`PostgresBroker.with_ack`; the actor body's own sends are enqueued
     at once.
     """
-    return _running.delivery if _running.deferring != AT_ONCE else None
+    return _delivery.get() if _deferring.get() != AT_ONCE else None
 
 
 def tied_sends() -> list[Row] | None:
@@ -302,19 +300,19 @@ def tied_sends() -> list[Row] | None:
     delivery = deferring()
     if delivery is None:
         return None
-    return delivery.ack_sends if _running.deferring == ACK else delivery.follow_ups
+    return delivery.ack_sends if _deferring.get() == ACK else delivery.follow_ups
 
 
 @contextmanager
 def deferred(until: str = ACK) -> Iterator[PostgresMessageProxy | None]:
     """Tie this thread's sends to its running delivery inside the block: to its ack, or (*until*
     ``OUTCOME``) to any outcome; with ``AT_ONCE``, untie them (an explicit transaction inside)."""
-    before = _running.deferring
-    _running.deferring = until
+    before = _deferring.get()
+    _deferring.set(until)
     try:
         yield running()
     finally:
-        _running.deferring = before
+        _deferring.set(before)
 
 
 # -- a retry's outcome ---------------------------------------------------------------

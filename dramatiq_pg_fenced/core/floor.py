@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 #: Where a claim from the head of the index starts: before every row.
@@ -47,6 +47,44 @@ LOOK_BACK_WINDOW = timedelta(seconds=10)
 #: the claims do not wait for it.  A process that does not listen hears no ``"!back"``: each of its
 #: look backs goes to the head.
 FULL_LOOK_BACK_EVERY = 300.0
+
+
+#: How long a :class:`ServerClock`'s reading serves before the clock is read again.
+CLOCK_FRESH_FOR = 60.0
+
+
+class ServerClock:
+    """The database's clock as seen from this process: a time at or before a statement's ``now()``.
+
+    A claim that found nothing proves the queue drained, as a short one does,
+    but returns no ``now()`` to put the floor at.  Each ``now()`` the database
+    returned, less this process's monotonic time when the answer arrived, is
+    at most the offset between the two clocks (``now()`` was taken before the
+    answer left); the largest is kept, so ``sent + offset`` is at or before the
+    ``now()`` of a statement sent at ``sent``.  A reading lower than that by more
+    than :data:`FLOOR_MARGIN` (the server's clock stepped back, a failover to
+    another server) replaces it: lower is the safe side.  A reading older than
+    :data:`CLOCK_FRESH_FOR` seconds is not used: the consumer reads the clock
+    again (one ``SELECT now()``) rather than trust a clock that may have moved.
+    """
+
+    def __init__(self) -> None:
+        self.offset: float | None = None  # seconds: the server's epoch time less the monotonic time
+        self.read_at = -math.inf  # monotonic: the last reading
+
+    def observe(self, server_now: datetime, received: float) -> None:
+        """The database returned *server_now*; its answer arrived at monotonic time *received*."""
+        lower = server_now.timestamp() - received
+        if self.offset is None or lower > self.offset or lower < self.offset - FLOOR_MARGIN.total_seconds():
+            self.offset = lower
+        self.read_at = received
+
+    def before(self, sent: float) -> datetime | None:
+        """A time at or before the ``now()`` of a statement sent at monotonic time *sent*; ``None``
+        if the clock was not read within :data:`CLOCK_FRESH_FOR` seconds."""
+        if self.offset is None or sent - self.read_at > CLOCK_FRESH_FOR:
+            return None
+        return datetime.fromtimestamp(sent + self.offset, timezone.utc)
 
 
 class Window(tuple):
@@ -94,7 +132,8 @@ class Floor:
     anywhere after it if it came back short of its limit.  So the next claim
     may start at the lowest priority of the queue's actors and, within it, at
     the first row of a full claim, or ``FLOOR_MARGIN`` before the ``now()`` of
-    a short one; it does not visit the dead entries before that point (the
+    a short one (of one that found nothing: before the server's clock as
+    :class:`ServerClock` reads it); it does not visit the dead entries before that point (the
     claimed rows' old versions, which no vacuum may remove while some
     session's snapshot is older).  A row that lands behind the floor anyway
     (an enqueue that committed late, a message of a priority no actor here
@@ -167,8 +206,17 @@ class Floor:
             self.look_back.request(self.queue_name)
             self.look_back_due = time.monotonic()
 
-    def claimed(self, start: tuple[int, Any, int], rows: list[tuple], limit: int) -> None:
-        """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7)."""
+    def claimed(
+        self, start: tuple[int, Any, int], rows: list[tuple], limit: int, drained_at: datetime | None = None
+    ) -> None:
+        """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7).
+
+        *drained_at*, for a claim that returned nothing: a time at or before its ``now()``
+        (:class:`ServerClock`).  Such a claim proves the queue drained from *start* on, as a short one
+        does, and the floor moves to :data:`FLOOR_MARGIN` before it: an idle consumer (one whose
+        process does not hold the queue's door takes nothing while the listener takes everything)
+        would otherwise claim from where it last took a row, or from the head, for ever, and under a
+        pinned horizon step over every entry left dead since."""
         looked_back = start is HEAD or isinstance(start, Window)
         if looked_back:
             if self.at is not None:  # did it find a row behind the floor?  (Unknown without one.)
@@ -187,7 +235,11 @@ class Floor:
             if self.at is None:
                 return  # forgotten meanwhile: only a claim from the head sets it again
         if not rows:
-            return  # idle or paused: no proof of where the queue stands; the floor stays
+            if drained_at is not None:
+                # Drained (a paused queue's empty claim too: its resume says "!back").
+                at = (drained_at - FLOOR_MARGIN, HEAD[2])
+                self.at = at if looked_back or self.at is None else max(self.at, at)
+            return
         drained = (rows[0][7] - FLOOR_MARGIN, HEAD[2])
         if len(rows) < limit:
             at = drained  # nothing claimable was left at all

@@ -228,6 +228,7 @@ class Statements:
     claim_fair_telling_relaxed: bytes
     behind_window: bytes
     next_due: bytes
+    server_clock: bytes
     release_unseen: bytes
     release_unseen_logged: bytes
     ack: bytes

@@ -33,6 +33,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -44,12 +45,6 @@ if TYPE_CHECKING:
     from ..broker import PostgresBroker
 
 
-class _Open(threading.local):
-    """Per thread: the name of the database whose transaction is open (the innermost), if any."""
-
-    name: str | None = None
-
-
 _SCHEMAS_SEEN = "SELECT s FROM unnest(%s::text[]) AS s WHERE to_regclass(format('%%I.message', s)) IS NOT NULL"
 
 
@@ -59,24 +54,27 @@ class OpenTransactions:
     def __init__(self, shards: Mapping[str, PostgresBroker], error: type[Exception]) -> None:
         self.shards = shards
         self.error = error
-        self._local = _Open()
+        #: Per thread and per asyncio task (the coroutines of async actors share the event loop's
+        #: thread: see ``sending/sends.py``): the database whose transaction is open, the innermost.
+        self._open: ContextVar[str | None] = ContextVar("dramatiq_pg_fenced.open_transaction", default=None)
         self._lock = threading.Lock()
         #: connection -> the database it is connected to (a psycopg connection never moves).
         self._known: weakref.WeakKeyDictionary[psycopg.Connection, str] = weakref.WeakKeyDictionary()
 
     def open(self) -> PostgresBroker | None:
         """The shard whose transaction is open on this thread, if any."""
-        name = self._local.name
+        name = self._open.get()
         return None if name is None else self.shards[name]
 
     @contextmanager
     def opened(self, name: str) -> Iterator[None]:
         """This thread's sends go to database *name* inside the block (the innermost block decides)."""
-        previous, self._local.name = self._local.name, name
+        previous = self._open.get()
+        self._open.set(name)
         try:
             yield
         finally:
-            self._local.name = previous
+            self._open.set(previous)
 
     def learn(self, conn: psycopg.Connection, name: str) -> None:
         with self._lock:

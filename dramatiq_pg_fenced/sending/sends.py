@@ -24,9 +24,9 @@ message.  The one nesting that cannot keep both promises, ``with_ack()`` inside
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -40,15 +40,45 @@ from ..db.statements import Statements
 from ..errors import NestedSendError
 from .enqueue import CHUNK, Enqueuer
 
+#: An open batch's list, the caller's connection, the transaction block's name.
+_Open = tuple[list[tuple[Message, int | None]] | None, psycopg.Connection | None, str]
+_CLOSED: _Open = (None, None, "")
 
-class SendsOfThisThread(threading.local):
-    """Per thread: an open ``batch()`` (its list) and ``transaction()`` (the caller's connection and
-    the block's name).  The class holds the defaults (every ``send()`` reads them: a ``getattr`` with
-    a default on a plain ``threading.local`` raised and caught an AttributeError each time)."""
 
-    batch: list[tuple[Message, int | None]] | None = None
-    conn: psycopg.Connection | None = None
-    block: str = ""
+class SendsOfThisThread:
+    """Per thread and per asyncio task: an open ``batch()`` (its list) and ``transaction()`` (the
+    caller's connection and the block's name).
+
+    A ``ContextVar``, not a ``threading.local``: Dramatiq runs every ``async def`` actor of a worker
+    on one event loop thread, and one coroutine's open block, while it awaits, must not take the
+    sends of another (see ``core/delivery.py``).  One variable per broker, made with it (a worker
+    makes one broker; the contexts that set it keep it alive as long as they live)."""
+
+    def __init__(self) -> None:
+        self._state: ContextVar[_Open] = ContextVar("dramatiq_pg_fenced.sends", default=_CLOSED)
+
+    @property
+    def batch(self) -> list[tuple[Message, int | None]] | None:
+        return self._state.get()[0]
+
+    @batch.setter
+    def batch(self, batch: list[tuple[Message, int | None]] | None) -> None:
+        _, conn, block = self._state.get()
+        self._state.set((batch, conn, block))
+
+    @property
+    def conn(self) -> psycopg.Connection | None:
+        return self._state.get()[1]
+
+    @property
+    def block(self) -> str:
+        return self._state.get()[2]
+
+    def swap(self, state: _Open) -> _Open:
+        """Set all three (a transaction block opens, or ends); returns what they were."""
+        previous = self._state.get()
+        self._state.set(state)
+        return previous
 
 
 class SendMethods:
@@ -133,13 +163,12 @@ class SendMethods:
 
         *block*: what the caller's code opened (``fenced_transaction()``...), for that error's message.
         """
-        previous = self._local.conn, self._local.batch, self._local.block
-        self._local.conn, self._local.batch, self._local.block = conn, None, block or "broker.transaction(conn)"
+        previous = self._local.swap((None, conn, block or "broker.transaction(conn)"))
         try:
             with delivery.deferred(delivery.AT_ONCE):
                 yield conn
         finally:
-            self._local.conn, self._local.batch, self._local.block = previous
+            self._local.swap(previous)
 
     def joined_transaction(self, *, quiet: bool = False) -> psycopg.Connection | None:
         """The connection whose open transaction a send joins when no block of ours decides (its rows

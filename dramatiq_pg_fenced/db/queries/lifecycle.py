@@ -190,6 +190,9 @@ TEMPLATES: dict[str, str] = {
          WHERE queue_name = %(queue)s AND state = 'queued' AND available_at > enqueued_at
            AND available_at > now()
     """,
+    # The database's clock, read by a consumer whose claim found nothing and that has not seen
+    # it for a while (floor.ServerClock): where such a claim puts its floor.
+    "server_clock": "SELECT now()",
     # A lost claim's rows, put back (see _release_unseen above).
     "release_unseen": _release_unseen(logged=False),
     "release_unseen_logged": _release_unseen(logged=True),
