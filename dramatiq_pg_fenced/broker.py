@@ -355,6 +355,7 @@ class PostgresBroker(
             logger=self.logger,
             priority=min((a.priority for a in self.actors.values() if a.queue_name == queue_name), default=0),
             look_back=parts.look_back,
+            clock=parts.clock,
             stored_exception=self.stored_exception,
             turns=parts.turns if self.listen else None,
             answered=parts.answered if self.listen else None,

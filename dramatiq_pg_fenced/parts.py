@@ -20,7 +20,7 @@ from dramatiq.results import Results
 
 from .config import Settings
 from .core import delivery
-from .core.consumer import LookBack, LostClaims
+from .core.consumer import LookBack, LostClaims, ServerClock
 from .core.delivery import Countdown, Outcome, PostgresMessageProxy, ResultWrite, Row
 from .core.fencing import OutcomeObserver, StaleWrites, Write
 from .core.interrupt import Interrupter
@@ -60,6 +60,7 @@ class ProcessParts:
         self.leases = Leases()
         self.lost_claims = LostClaims()
         self.look_back = LookBack()
+        self.clock = ServerClock()  # the database's clock, for the floors of claims that found nothing
         # "" joined as it consumes; each time it begins to listen, its consumers look back (a "!back" went unheard)
         self.turns = Turns(statements, settings.schema, groups=(), heard=self.look_back.request_all)
         self.answered = Answered()

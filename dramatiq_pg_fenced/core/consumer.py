@@ -117,6 +117,7 @@ class PostgresConsumer(Consumer):
         logger: logging.Logger,
         priority: int = 0,
         look_back: LookBack | None = None,
+        clock: ServerClock | None = None,
         stored_exception: Callable[[PostgresMessageProxy], ResultWrite | None] | None = None,
         turns: Turns | None = None,
         answered: Answered | None = None,
@@ -171,7 +172,8 @@ class PostgresConsumer(Consumer):
         self._only_look = False
         # A process that listens hears every "!back": its unannounced look backs may start at the window.
         self.floor = Floor(priority, look_back, queue_name, windowed=doorbell is not None and not fair)
-        self.clock = ServerClock()  # where a claim that found nothing puts the floor
+        #: Where a claim that found nothing puts the floor (the process's: one reading serves every queue).
+        self.clock = clock if clock is not None else ServerClock()
         self._probing = threading.Event()  # a probe behind the floor's window runs (_probe_behind)
         self.probes = 0  #: probes behind the window that ended (tests)
         self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
@@ -396,7 +398,10 @@ class PostgresConsumer(Consumer):
             return None
         drained_at = self.clock.before(sent)
         if drained_at is None:
-            (server_now,) = conn.execute(self.statements.server_clock).fetchone() or (None,)
+            try:
+                (server_now,) = conn.execute(self.statements.server_clock).fetchone() or (None,)
+            except psycopg.Error:  # the claim is done and saw nothing: its floor stays, the pool sees to the rest
+                return None
             if server_now is not None:
                 self.clock.observe(server_now, time.monotonic())
                 drained_at = self.clock.before(sent)

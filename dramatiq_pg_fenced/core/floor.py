@@ -66,6 +66,10 @@ class ServerClock:
     another server) replaces it: lower is the safe side.  A reading older than
     :data:`CLOCK_FRESH_FOR` seconds is not used: the consumer reads the clock
     again (one ``SELECT now()``) rather than trust a clock that may have moved.
+
+    One per process (``ProcessParts.clock``), shared by its consumers' threads
+    without a lock: every offset any of them writes is a lower bound, so the
+    last write, whichever it is, is safe.
     """
 
     def __init__(self) -> None:
