@@ -174,3 +174,29 @@ def test_a_fenced_transaction_in_an_async_actor_commits_with_its_ack(
     assert query(broker, "SELECT id FROM {schema}.paid") == [("k1",)]
     assert query(broker, "SELECT count(*) FROM {schema}.message") == [(0,)]
     assert query(broker, "SELECT attempt FROM {schema}.history WHERE actor_name = 'pay'") == [(1,)]
+
+
+def test_an_interruptible_actor_called_from_a_coroutine_runs_as_a_plain_function(
+    dramatiq_pg_broker_factory: Factory,
+) -> None:
+    """Given an async actor that calls, as a function, a thread actor declared with
+    interrupt_on_cancel, I expect that call not registered for interrupts (it would be registered on
+    the event loop's thread, where an interrupt lands in whichever coroutine runs), and both to run."""
+    broker = dramatiq_pg_broker_factory()
+    broker.add_middleware(AsyncIO())
+    seen: dict[str, Any] = {}
+
+    @dramatiq.actor(broker=broker, interrupt_on_cancel=True)
+    def helper() -> str:
+        here = threading.get_ident()
+        seen["registered here"] = [e for e in broker.parts.interrupter._running.values() if e.thread_id == here]
+        return "done"
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    async def outer() -> None:
+        seen["result"] = helper()
+
+    with running_worker(broker, threads=1):
+        outer.send()
+        broker.join("default", timeout=30_000)
+    assert seen == {"registered here": [], "result": "done"}

@@ -59,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
@@ -201,7 +202,10 @@ def interruptible(fn: Callable[..., Any], interrupter: Callable[[], Interrupter]
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         message = running_delivery.running()
-        if message is None:
+        if message is None or _on_an_event_loop():
+            # On the event loop's thread (an async actor's coroutine calls this function): an exception
+            # sent to that thread would land in whichever coroutine runs there; the coroutine's own
+            # delivery is stopped through its task (interruptible_async), if it is interruptible.
             return fn(*args, **kwargs)
         registry = interrupter()
         if registry.runs_here(message.delivery):
@@ -292,6 +296,18 @@ def interruptible_async(
 
     run.interrupts_on_cancel = True  # type: ignore[attr-defined]
     return run
+
+
+def _on_an_event_loop() -> bool:
+    """Does this thread run an asyncio event loop now?  (``asyncio`` not imported: it cannot.)"""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _async_actor_body(fn: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]] | None:
