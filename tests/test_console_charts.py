@@ -38,6 +38,9 @@ def test_series_per_minute_from_the_tallies_and_the_samples_over_an_hour_and_a_d
 ) -> None:
     broker = dramatiq_pg_broker
     monkeypatch.setattr(samples, "SAMPLE_EVERY", float("inf"))  # the worker's loop samples no more: the test does
+    # (nor at the next minute's start, which a loop that took this minute's sample has set already)
+    monkeypatch.setattr(samples, "until_next_minute", lambda now=None: float("inf"))
+    monkeypatch.setattr(broker.parts.maintenance, "_next_sample", float("inf"))
     # nor purges: a purge between the shift below and the test's sample took the tallies before they were copied
     monkeypatch.setattr(maintenance, "PURGE_EVERY", float("inf"))
     query(broker, "DELETE FROM {schema}.queue_minute")  # (one it may have taken already)

@@ -174,6 +174,7 @@ class PostgresConsumer(Consumer):
         self.floor = Floor(priority, look_back, queue_name, windowed=doorbell is not None and not fair)
         #: Where a claim that found nothing puts the floor (the process's: one reading serves every queue).
         self.clock = clock if clock is not None else ServerClock()
+        self._answering = True  # the claim running now answers a ring (Floor.claimed's rang)
         self._probing = threading.Event()  # a probe behind the floor's window runs (_probe_behind)
         self.probes = 0  #: probes behind the window that ended (tests)
         self.key_floors = KeyFloors(priority)  # a fair queue's: where each key's rows are claimed from
@@ -185,6 +186,8 @@ class PostgresConsumer(Consumer):
                 return self.buffer.popleft()
             full = self.leases.capacity(self.queue_name, self.prefetch) <= 0
             if not full and self._claim_due():
+                # Does this claim answer a ring (a consumer that does not listen: any claim may)?
+                self._answering = self.wake is None or self.wake.is_set() or self._ring_due is not None
                 if self.wake is not None:
                     self.wake.clear()  # before the claim: a ring during it means another claim
                 self._claim(deadline - time.monotonic())
@@ -369,7 +372,8 @@ class PostgresConsumer(Consumer):
         # Prepared at once where statements are prepared at all (not behind PgBouncer): its plan is kept sooner.
         sent = time.monotonic()
         rows = conn.execute(with_limit(claim, limit), params, prepare=self.database.prepare or None).fetchall()
-        self.floor.claimed(start, rows, limit, self._drained_at(conn, rows, sent))  # a fair queue's: when to claim from the head
+        # (A fair queue's floor says when to claim from the head.)
+        self.floor.claimed(start, rows, limit, self._drained_at(conn, rows, sent), rang=self._answering)
         if self.floor.probe_wanted:
             self.floor.probe_wanted = False
             self._probe_behind()

@@ -211,7 +211,13 @@ class Floor:
             self.look_back_due = time.monotonic()
 
     def claimed(
-        self, start: tuple[int, Any, int], rows: list[tuple], limit: int, drained_at: datetime | None = None
+        self,
+        start: tuple[int, Any, int],
+        rows: list[tuple],
+        limit: int,
+        drained_at: datetime | None = None,
+        *,
+        rang: bool = True,
     ) -> None:
         """After a claim from *start* that returned *rows* (priority, available_at, seq at 4-6; now() at 7).
 
@@ -220,7 +226,11 @@ class Floor:
         does, and the floor moves to :data:`FLOOR_MARGIN` before it: an idle consumer (one whose
         process does not hold the queue's door takes nothing while the listener takes everything)
         would otherwise claim from where it last took a row, or from the head, for ever, and under a
-        pinned horizon step over every entry left dead since."""
+        pinned horizon step over every entry left dead since.
+
+        *rang*: the claim answered a ring (or its consumer does not listen, so any claim may): only
+        then does one from the floor that found nothing look back soon, since the row that rang may
+        lie behind the floor.  An idle poll's does not (it would claim again off its duty, turns.py)."""
         looked_back = start is HEAD or isinstance(start, Window)
         if looked_back:
             if self.at is not None:  # did it find a row behind the floor?  (Unknown without one.)
@@ -233,7 +243,7 @@ class Floor:
             self._head_due = self._head_at + LOOK_BACK_EVERY * self._factor
             self.look_back_due = None
         else:
-            if not rows:
+            if not rows and rang:
                 # What rang may lie behind the floor: look back by then.
                 self.look_back_due = min(self._head_due, self._head_at + LOOK_BACK_EVERY)
             if self.at is None:
