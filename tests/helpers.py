@@ -171,3 +171,10 @@ def sessions_of(admin_url: str, dbname: str) -> int:
             return count
         last = count
         time.sleep(1.0)
+
+
+def ever_stored(broker: PostgresBroker, actor: str) -> int:
+    """Messages of *actor* ever stored: queued, running, dead, cancelled or finished (history)."""
+    live = query(broker, "SELECT count(*) FROM {schema}.message WHERE actor_name = %s", [actor])[0][0]
+    done = query(broker, "SELECT count(*) FROM {schema}.history WHERE actor_name = %s", [actor])[0][0]
+    return int(live) + int(done)

@@ -18,17 +18,10 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq.middleware.asyncio import AsyncIO
-from helpers import Factory, query, running_worker, wait_for
+from helpers import Factory, ever_stored, query, running_worker, wait_for
 
 from dramatiq_pg_fenced import PostgresBroker
 from dramatiq_pg_fenced.routing import RoutedBroker
-
-
-def count(broker: PostgresBroker, actor: str) -> int:
-    """Messages of *actor* ever stored here: in the message table or finished (history)."""
-    live = query(broker, "SELECT count(*) FROM {schema}.message WHERE actor_name = %s", [actor])[0][0]
-    done = query(broker, "SELECT count(*) FROM {schema}.history WHERE actor_name = %s", [actor])[0][0]
-    return int(live) + int(done)
 
 
 async def until(event: threading.Event, what: str) -> None:
@@ -86,7 +79,7 @@ def test_with_ack_in_an_async_actor_sends_only_with_its_ack(brokers: tuple[Any, 
         wait_for(lambda: len(attempts) >= 2, 30, "the retry")
         broker.join("default", timeout=30_000)
         assert db.flush_outcomes(10)
-    assert count(db, "child") == 1
+    assert ever_stored(db, "child") == 1
     assert db.stats()["process"]["dropped_effects"] == 1
 
 
